@@ -1,0 +1,1 @@
+"""The swarmstream node: model, data, inner trainer, outer optimizer, swarm, checkpoints."""
