@@ -289,3 +289,12 @@ def from_dict(cls: type, data: typing.Mapping[str, typing.Any], where: str = "")
         return cls(**kwargs)
     except TypeError as e:  # a required field is missing
         raise ConfigError(f"{where or cls.__name__}: {e}") from None
+
+
+# The three methods the engine runs, as sync settings (flags override fields). Streaming uses
+# P=2 because the `tiny` preset has 4 layers; the paper's rule of thumb is ~3 layers a fragment.
+SYNC_MODES: dict[str, SyncConfig] = {
+    "ddp": SyncConfig(method="ddp"),
+    "diloco": SyncConfig(method="diloco", inner_steps=50, fragments=1, overlap=0, alpha=0.0, codec="fp32"),
+    "streaming": SyncConfig(method="diloco", inner_steps=50, fragments=2, overlap=1, alpha=0.5, codec="fp4"),
+}

@@ -1,0 +1,67 @@
+"""The outer optimizer of one fragment: a global fp32 copy on CPU and SGD with Nesterov.
+
+DiLoCo's outer step, for the parameters theta of one fragment:
+
+    delta   = theta_global - theta_local          # the pseudo-gradient, one per worker
+    avg     = weighted mean of delta over workers (by tokens trained)
+    theta_global <- SGD(lr, momentum, nesterov).step(grad=avg)
+    theta_local  <- alpha * theta_local + (1 - alpha) * theta_global   # Streaming DiLoCo merge
+
+The global copy is one flat fp32 tensor (with per-parameter views), so a pseudo-gradient is a
+single subtraction and the optimizer steps one tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protocol.config import OuterConfig
+
+
+class OuterFragment:
+    def __init__(self, params: list[torch.nn.Parameter], cfg: OuterConfig):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        with torch.no_grad():
+            # (N,) fp32 on CPU: the run's shared state, identical on every peer after a round
+            self.global_flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in params])
+        momentum = cfg.momentum
+        self.opt = torch.optim.SGD([self.global_flat], lr=cfg.lr, momentum=momentum,
+                                   nesterov=cfg.nesterov and momentum > 0)
+
+    def local_flat(self) -> torch.Tensor:
+        """The worker's current values of this fragment, as a new (N,) fp32 CPU tensor."""
+        return torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """delta = theta_global - theta_local, (N,) fp32: what this worker contributes."""
+        return self.global_flat - self.local_flat()
+
+    @torch.no_grad()
+    def step(self, avg_delta: torch.Tensor) -> None:
+        """Apply the averaged pseudo-gradient to the global copy."""
+        if avg_delta.shape != self.global_flat.shape:
+            raise ValueError(f"averaged delta has shape {tuple(avg_delta.shape)}, expected {tuple(self.global_flat.shape)}")
+        self.global_flat.grad = avg_delta.to(torch.float32)
+        self.opt.step()
+        self.global_flat.grad = None
+
+    @torch.no_grad()
+    def merge_into_local(self, alpha: float) -> None:
+        """local <- alpha * local + (1 - alpha) * global (alpha = 0 replaces local)."""
+        offset = 0
+        for p in self.params:
+            g = self.global_flat[offset: offset + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype)
+            if alpha == 0.0:
+                p.copy_(g)
+            else:
+                p.mul_(alpha).add_(g, alpha=1.0 - alpha)
+            offset += p.numel()
+
+    def state_dict(self) -> dict:
+        return {"global_flat": self.global_flat.detach().clone(), "opt": self.opt.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            self.global_flat.copy_(state["global_flat"])
+        self.opt.load_state_dict(state["opt"])

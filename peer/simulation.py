@@ -1,0 +1,195 @@
+"""M workers in one process: the real engine, an in-memory all-reduce, real overlap timing.
+
+Used by ``swarmstream simulate`` and ``bench/quality.py`` to compare data-parallel, DiLoCo
+and Streaming DiLoCo on the same data at equal tokens. The all-reduce follows
+``protocol.butterfly`` exactly as the swarm does (foreign slices travel encoded with the run's
+codec, reducers accumulate in fp32, the mean travels back encoded), and a fragment's average
+only becomes visible ``tau`` inner steps after its sync started.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from peer.data import Corpus, ShardSampler, heldout_batches, load_corpus
+from peer.model import Transformer
+from peer.worker import Worker, evaluate, pick_device
+from protocol.butterfly import slice_bounds
+from protocol.codecs import Codec, get_codec
+from protocol.config import ConfigError, TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class SimulationConfig:
+    train: TrainConfig
+    workers: int = 4
+    """M: workers simulated in this process."""
+    steps: int = 500
+    """Inner steps each worker runs; total tokens = workers * steps * batch * accum * seq_len."""
+    eval_every: int = 0
+    """Evaluate the global model every this many steps (0: only at the end)."""
+    eval_batches: int = 8
+    """Held-out batches per evaluation (each inner.batch_size x model.seq_len tokens)."""
+    device: str = "cpu"
+    bf16: bool = False
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.steps < 1:
+            raise ConfigError("simulation needs workers >= 1 and steps >= 1")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ConfigError("eval_every must be >= 0 and eval_batches >= 1")
+
+
+@dataclass(slots=True)
+class SimulationResult:
+    method: str
+    fragments: int
+    tau: int
+    alpha: float
+    codec: str
+    workers: int
+    steps: int
+    inner_steps: int
+    tokens: int
+    heldout_loss: float
+    train_loss: float
+    bytes_sent_per_worker: int
+    peak_bytes_per_sync: int
+    sync_events: int
+    wall_s: float
+    history: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def allreduce(vectors: list[torch.Tensor], weights: list[float], codec: Codec) -> tuple[torch.Tensor, list[int]]:
+    """Weighted mean of ``vectors`` by a butterfly all-reduce through ``codec``.
+
+    Returns the mean every member ends up with (bit-identical for all) and the bytes each
+    member sent. A group of one sends nothing and keeps its own vector exactly.
+    """
+    n = len(vectors)
+    if n == 1:
+        return vectors[0].clone(), [0]
+    total_w = float(sum(weights))
+    w = [wi / total_w for wi in weights]
+    numel = vectors[0].numel()
+    result = torch.empty(numel, dtype=torch.float32)
+    sent = [0] * n
+    for j, (s, e) in enumerate(slice_bounds(numel, n)):
+        acc = torch.zeros(e - s, dtype=torch.float32)  # reducer j's fp32 accumulator
+        for i in range(n):
+            if i == j:
+                acc.add_(vectors[i][s:e], alpha=w[i])
+            else:
+                data = codec.encode(vectors[i][s:e])
+                sent[i] += len(data)
+                codec.decode_add_(acc, data, w[i])
+        out = codec.encode(acc)
+        sent[j] += len(out) * (n - 1)
+        result[s:e] = codec.decode(out, e - s)
+    return result, sent
+
+
+class Simulation:
+    """The workers, their samplers and the in-flight averages; ``step()`` runs one inner step
+    on every worker plus whatever syncs start or land after it."""
+
+    def __init__(self, cfg: SimulationConfig, corpus: Corpus | None = None):
+        self.cfg = cfg
+        tc = cfg.train
+        self.device = pick_device(cfg.device)
+        corpus = corpus or load_corpus(tc.data, tc.model.vocab_size)
+        self.workers = [Worker(tc, device=self.device, bf16=cfg.bf16) for _ in range(cfg.workers)]
+        self.samplers = [ShardSampler(corpus.train, tc.model.seq_len, tc.inner.batch_size, tc.data.seed, f"sim-{i}")
+                         for i in range(cfg.workers)]
+        self.held = heldout_batches(corpus.heldout, tc.model.seq_len, tc.inner.batch_size, cfg.eval_batches)
+        self.eval_model = Transformer(tc.model).to(self.device)
+        self.codec = get_codec("fp32" if tc.sync.method == "ddp" else tc.sync.codec)
+        self.schedule = self.workers[0].schedule
+        self.step_count = 0
+        self.sent_total = [0] * cfg.workers
+        self.peak = 0
+        self.events = 0
+        self.in_flight: dict[int, torch.Tensor] = {}  # fragment -> average not yet visible
+        self.train_loss = float("nan")
+
+    def _account(self, sent: list[int]) -> None:
+        self.events += 1
+        self.peak = max(self.peak, max(sent))
+        for i, b in enumerate(sent):
+            self.sent_total[i] += b
+
+    def step(self) -> float:
+        tc, workers = self.cfg.train, self.workers
+        losses = [w.forward_backward([s.next_batch() for _ in range(tc.inner.grad_accum)])
+                  for w, s in zip(workers, self.samplers)]
+        self.train_loss = sum(losses) / len(losses)
+        if tc.sync.method == "ddp":
+            avg, sent = allreduce([w.grad_vector() for w in workers], [1.0] * len(workers), self.codec)
+            self._account(sent)
+            for w in workers:
+                w.set_grad_vector(avg)
+        for w in workers:
+            w.optimizer_step()
+        self.step_count += 1
+        if self.schedule is not None:
+            for p in self.schedule.starts_after(self.step_count):
+                deltas, weights = zip(*(w.begin_sync(p) for w in workers))
+                avg, sent = allreduce(list(deltas), list(weights), self.codec)
+                self._account(sent)
+                self.in_flight[p] = avg  # visible to the workers only after `tau` more steps
+            for p in self.schedule.lands_after(self.step_count):
+                self.land(p)
+        return self.train_loss
+
+    def land(self, fragment: int) -> None:
+        avg = self.in_flight.pop(fragment)
+        for w in self.workers:
+            w.apply_outer(fragment, avg)
+
+    def flush(self) -> None:
+        """Apply averages still in flight, as if training had waited tau steps for them."""
+        for p in sorted(self.in_flight):
+            self.land(p)
+
+    def heldout_loss(self) -> float:
+        """Held-out loss of the run's global model (worker 0's copy; all copies are equal)."""
+        self.eval_model.load_state_dict(self.workers[0].global_state())
+        return evaluate(self.eval_model, self.held, self.device)
+
+
+def run_simulation(cfg: SimulationConfig, corpus: Corpus | None = None,
+                   progress: Callable[[dict], None] | None = None) -> SimulationResult:
+    t0 = time.perf_counter()
+    sim = Simulation(cfg, corpus)
+    history: list[dict] = []
+    for step in range(1, cfg.steps + 1):
+        sim.step()
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            rec = {"step": step, "train_loss": sim.train_loss, "heldout_loss": sim.heldout_loss()}
+            history.append(rec)
+            if progress:
+                progress(rec)
+    sim.flush()
+    final = {"step": cfg.steps, "train_loss": sim.train_loss, "heldout_loss": sim.heldout_loss()}
+    history.append(final)
+    if progress:
+        progress(final)
+    sync = cfg.train.sync
+    diloco = sync.method == "diloco"
+    return SimulationResult(
+        method=sync.method, fragments=sync.fragments if diloco else 1, tau=sync.overlap if diloco else 0,
+        alpha=sync.alpha, codec=sim.codec.name, workers=cfg.workers, steps=cfg.steps,
+        inner_steps=sync.inner_steps if diloco else 1, tokens=sum(w.tokens for w in sim.workers),
+        heldout_loss=final["heldout_loss"], train_loss=sim.train_loss,
+        bytes_sent_per_worker=sum(sim.sent_total) // cfg.workers, peak_bytes_per_sync=sim.peak,
+        sync_events=sim.events, wall_s=time.perf_counter() - t0, history=history)

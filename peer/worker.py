@@ -1,0 +1,176 @@
+"""One worker of a run: the model, its inner AdamW, and the global copies of its fragments.
+
+The worker knows nothing about the network. A driver (``peer.simulation`` in one process,
+the swarm peer across machines) runs the same plain loop:
+
+    loss = worker.forward_backward(batches)        # grads of one inner step
+    [ddp only: average worker.grad_vector() across workers, worker.set_grad_vector(avg)]
+    worker.optimizer_step()                        # clip, AdamW, lr schedule; step += 1
+    for p in schedule.starts_after(step):  delta_p = worker.outer[p].pseudo_gradient()  -> all-reduce
+    for p in schedule.lands_after(step):   worker.apply_outer(p, averaged delta_p)
+
+so data-parallel, DiLoCo and Streaming DiLoCo are one code path with different settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+import torch
+
+from peer.model import Transformer
+from peer.outer import OuterFragment
+from protocol.config import InnerConfig, TrainConfig
+from protocol.fragments import SyncSchedule, assign_fragments
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """``auto`` picks CUDA, then Apple MPS, then CPU; otherwise the named device."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for but torch sees no CUDA GPU; use --device cpu or install a CUDA build of torch")
+    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError("device 'mps' asked for but it is not available on this machine; use --device cpu")
+    return dev
+
+
+def lr_at(step: int, cfg: InnerConfig) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine to ``lr * min_lr_ratio`` at
+    ``total_steps`` (``step`` counts completed steps, so the first step uses lr_at(0))."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+class Worker:
+    def __init__(self, cfg: TrainConfig, *, device: torch.device | str = "cpu", bf16: bool = False):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        if bf16 and self.device.type == "cpu":
+            log.info("bf16 autocast asked for on CPU; it is slower than fp32 there but supported")
+        self.bf16 = bf16
+        # every worker of a run starts from the same weights: the init is seeded by the run seed
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.data.seed)
+            self.model = Transformer(cfg.model)
+        self.model.to(self.device)
+        inner = cfg.inner
+        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr_at(0, inner), betas=(inner.beta1, inner.beta2),
+            foreach=self.device.type != "cpu" or None)
+        self.step = 0  # completed inner steps
+        self.tokens = 0  # tokens trained, all time
+        sync = cfg.sync
+        self.params = dict(self.model.named_parameters())
+        if sync.method == "diloco":
+            groups = assign_fragments(self.params, cfg.model.n_layers, sync.fragments)
+            self.outer = [OuterFragment([self.params[n] for n in names], cfg.outer) for names in groups]
+            self.fragment_names = groups
+            self.schedule = SyncSchedule(sync.inner_steps, sync.fragments, sync.overlap)
+        else:  # ddp: no outer optimizer, gradients are averaged every step
+            self.outer, self.fragment_names, self.schedule = [], [], None
+        # tokens trained since each fragment's last sync started: its contribution's weight
+        self.tokens_since_sync = [0] * len(self.outer)
+
+    def _autocast(self):
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Accumulate the gradient of one inner step over micro-batches; returns the mean loss."""
+        self.model.train()
+        total = 0.0
+        for x, y in batches:
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self._autocast():
+                _, loss = self.model(x, y)
+            (loss / len(batches)).backward()
+            total += loss.item()
+            self.tokens += y.numel()
+            for p in range(len(self.tokens_since_sync)):
+                self.tokens_since_sync[p] += y.numel()
+        return total / len(batches)
+
+    def grad_vector(self) -> torch.Tensor:
+        """All gradients as one (N,) fp32 CPU vector (for data-parallel averaging)."""
+        return torch.cat([p.grad.reshape(-1).float().cpu() for p in self.model.parameters()])
+
+    @torch.no_grad()
+    def set_grad_vector(self, vec: torch.Tensor) -> None:
+        offset = 0
+        for p in self.model.parameters():
+            p.grad.copy_(vec[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def optimizer_step(self) -> float:
+        """Clip, AdamW step at the scheduled lr, clear grads; returns the gradient norm."""
+        inner = self.cfg.inner
+        if inner.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), inner.grad_clip).item()
+        else:
+            norm = math.sqrt(sum(float(p.grad.float().pow(2).sum()) for p in self.model.parameters()))
+        lr = lr_at(self.step, inner)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        return norm
+
+    def begin_sync(self, fragment: int) -> tuple[torch.Tensor, int]:
+        """This worker's pseudo-gradient for ``fragment`` and its weight (tokens it covers)."""
+        weight = self.tokens_since_sync[fragment]
+        self.tokens_since_sync[fragment] = 0
+        return self.outer[fragment].pseudo_gradient(), weight
+
+    def apply_outer(self, fragment: int, avg_delta: torch.Tensor) -> None:
+        """Outer step on the fragment's global copy, then merge it into the local weights."""
+        self.outer[fragment].step(avg_delta)
+        self.outer[fragment].merge_into_local(self.cfg.sync.alpha)
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """The run's global model (fp32 CPU), assembled from the fragments' global copies.
+        In ddp there is no separate global copy: the local weights are the global model."""
+        if not self.outer:
+            return {n: p.detach().float().cpu().clone() for n, p in self.params.items()}
+        out = {}
+        for names, frag in zip(self.fragment_names, self.outer):
+            offset = 0
+            for n in names:
+                p = self.params[n]
+                out[n] = frag.global_flat[offset: offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        return out
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    """Mean loss of ``model`` over ``batches`` (each batch weighted equally by its tokens)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in batches:
+        _, loss = model(x.to(device), y.to(device))
+        total += loss.item() * y.numel()
+        count += y.numel()
+    model.train(was_training)
+    return total / count
