@@ -15,6 +15,7 @@ import sys
 from protocol.config import PRESETS, SYNC_MODES, CODEC_NAMES, DataConfig, InnerConfig, OuterConfig, TrainConfig, model_preset
 from protocol.errors import ProtocolError
 from tui import __version__
+from tui.run_command import add_run_parser
 
 
 class UsageError(Exception):
@@ -47,6 +48,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
     """Flags that build a TrainConfig; shared by ``simulate`` and the benchmarks."""
+    inner, outer = InnerConfig(), OuterConfig()  # slots dataclasses: defaults live on instances
     p.add_argument("--mode", choices=sorted(SYNC_MODES), default="streaming",
                    help="ddp: gradients averaged every step; diloco: P=1, tau=0, fp32; "
                         "streaming: P=2, tau=1, alpha=0.5, fp4 (default). Flags below override.")
@@ -56,12 +58,12 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tau", "--overlap", dest="overlap", type=int, help="tau: inner steps overlapped with a sync")
     p.add_argument("--alpha", type=float, help="merge weight of the local copy after an outer step")
     p.add_argument("--codec", choices=CODEC_NAMES, help="wire format of pseudo-gradients")
-    p.add_argument("--lr", type=float, default=InnerConfig.lr, help="inner AdamW peak learning rate")
-    p.add_argument("--warmup", type=int, default=InnerConfig.warmup_steps, help="inner warmup steps")
-    p.add_argument("--batch-size", type=int, default=InnerConfig.batch_size, help="sequences per micro-batch")
+    p.add_argument("--lr", type=float, default=inner.lr, help="inner AdamW peak learning rate")
+    p.add_argument("--warmup", type=int, default=inner.warmup_steps, help="inner warmup steps")
+    p.add_argument("--batch-size", type=int, default=inner.batch_size, help="sequences per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per inner step")
-    p.add_argument("--outer-lr", type=float, default=OuterConfig.lr)
-    p.add_argument("--outer-momentum", type=float, default=OuterConfig.momentum)
+    p.add_argument("--outer-lr", type=float, default=outer.lr)
+    p.add_argument("--outer-momentum", type=float, default=outer.momentum)
     p.add_argument("--no-nesterov", action="store_true", help="plain momentum SGD as the outer optimizer")
     p.add_argument("--data", default="stdlib", help="'stdlib', a file, a folder or a glob (default stdlib)")
     p.add_argument("--seed", type=int, default=0)
@@ -148,12 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     p.set_defaults(func=cmd_simulate)
 
-    try:
-        from tui.run_command import add_run_parser
-    except ImportError:  # the run manifest commands are optional while the protocol grows
-        pass
-    else:
-        add_run_parser(sub)
+    add_run_parser(sub)
     return parser
 
 
