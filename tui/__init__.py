@@ -3,4 +3,4 @@
 Never imports torch at module level; commands that run the engine import ``peer`` lazily.
 """
 
-__version__ = "0.1.0"
+from protocol import __version__  # noqa: F401  (one version, kept in protocol)

@@ -1,0 +1,107 @@
+"""Data-parallel vs DiLoCo vs Streaming DiLoCo at equal tokens, on the `stdlib` corpus.
+
+    python bench/quality.py            # default: 4 workers x 800 steps, ~15 min on 2 cores
+    python bench/quality.py --quick    # 4 workers x 120 steps, H=20, ~2-3 min
+    python bench/quality.py --out results.json
+
+Every configuration trains the same model from the same init on the same data, with the
+same number of tokens per worker; only the sync method differs. Prints a table and writes
+JSON (commit and machine included). Also measures the 4-bit codec's encode/decode speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchutil import print_table, write_json  # noqa: E402
+
+from peer.data import load_corpus  # noqa: E402
+from peer.simulation import SimulationConfig, run_simulation  # noqa: E402
+from protocol.config import DataConfig, InnerConfig, SyncConfig, TrainConfig, model_preset  # noqa: E402
+
+
+def configurations(H: int, P: int) -> list[tuple[str, SyncConfig]]:
+    """The table's rows: the baseline, plain DiLoCo, then Streaming DiLoCo's three changes
+    added one at a time (fragments, then 4-bit, then overlap)."""
+    return [
+        ("ddp", SyncConfig(method="ddp")),
+        ("diloco", SyncConfig(inner_steps=H, fragments=1, overlap=0, alpha=0.0, codec="fp32")),
+        ("streaming", SyncConfig(inner_steps=H, fragments=P, overlap=0, alpha=0.0, codec="fp32")),
+        ("streaming", SyncConfig(inner_steps=H, fragments=P, overlap=0, alpha=0.0, codec="fp4")),
+        ("streaming", SyncConfig(inner_steps=H, fragments=P, overlap=1, alpha=0.5, codec="fp4")),
+        ("streaming", SyncConfig(inner_steps=H, fragments=P, overlap=5, alpha=0.5, codec="fp4")),
+    ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="120 steps, H=20: the CI-sized run (< 3 min)")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--steps", type=int, help="inner steps per worker (default 800, quick 120)")
+    ap.add_argument("-H", "--inner-steps", type=int, help="H (default 50, quick 20)")
+    ap.add_argument("-P", "--fragments", type=int, default=2)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", help="comma-separated row numbers to run (1-based), e.g. 1,2")
+    ap.add_argument("--out", help="JSON path (default bench/results/quality.json)")
+    args = ap.parse_args()
+    steps = args.steps or (120 if args.quick else 800)
+    H = args.inner_steps or (20 if args.quick else 50)
+
+    model = model_preset(args.preset)
+    data = DataConfig(source="stdlib", seed=args.seed)
+    inner = InnerConfig(lr=args.lr, warmup_steps=max(1, steps // 20), total_steps=steps, batch_size=args.batch_size)
+    corpus = load_corpus(data, model.vocab_size)
+    rows = configurations(H, args.fragments)
+    if args.only:
+        keep = {int(i) for i in args.only.split(",")}
+        rows = [r for i, r in enumerate(rows, 1) if i in keep]
+
+    runs = []
+    for mode, sync in rows:
+        tc = TrainConfig(model=model, data=data, inner=inner, sync=sync)
+        sim = SimulationConfig(train=tc, workers=args.workers, steps=steps, eval_batches=16)
+        label = mode if mode == "ddp" else f"{mode} P={sync.fragments} tau={sync.overlap} {sync.codec}"
+        print(f"running {label} ...", file=sys.stderr, flush=True)
+        res = run_simulation(sim, corpus)
+        rec = {"mode": mode, **{k: v for k, v in dataclasses.asdict(res).items() if k != "history"},
+               "history": res.history}
+        runs.append(rec)
+        print(f"  held-out {res.heldout_loss:.4f}  sent {res.bytes_sent_per_worker / 1e6:.2f} MB  "
+              f"peak {res.peak_bytes_per_sync / 1e6:.3f} MB  {res.wall_s:.0f} s", file=sys.stderr, flush=True)
+
+    base = {r["mode"]: r for r in runs}
+    for r in runs:
+        r["loss_vs_diloco"] = r["heldout_loss"] / base["diloco"]["heldout_loss"] - 1 if "diloco" in base else float("nan")
+        r["bytes_vs_ddp"] = base["ddp"]["bytes_sent_per_worker"] / max(1, r["bytes_sent_per_worker"]) if "ddp" in base else float("nan")
+        r["peak_vs_diloco"] = base["diloco"]["peak_bytes_per_sync"] / max(1, r["peak_bytes_per_sync"]) if "diloco" in base else float("nan")
+    print()
+    print(f"{args.workers} workers x {steps} inner steps, preset {args.preset}, H={H}, "
+          f"{runs[0]['tokens']:,} tokens per run")
+    print_table(runs, [("mode", "mode", ""), ("fragments", "P", "d"), ("tau", "tau", "d"), ("codec", "codec", ""),
+                       ("heldout_loss", "held-out", ".4f"), ("loss_vs_diloco", "vs diloco", "+.2%"),
+                       ("bytes_sent_per_worker", "bytes/worker", ",d"), ("bytes_vs_ddp", "ddp/this", ".0f"),
+                       ("peak_bytes_per_sync", "peak/sync", ",d"), ("peak_vs_diloco", "diloco/this", ".2f"),
+                       ("wall_s", "wall s", ".0f")])
+
+    from codec_speed import codec_throughput
+
+    speed = [codec_throughput(name, numel=1 << 22) for name in ("fp4", "int8")]
+    print()
+    print_table(speed, [("codec", "codec", ""), ("encode_mb_s", "encode MB/s", ".0f"),
+                        ("decode_mb_s", "decode MB/s", ".0f"), ("to_fp16_mb_s", "x.to(fp16) MB/s", ".0f")])
+    path = write_json(args.out, "quality", {
+        "args": vars(args), "steps": steps, "inner_steps": H, "runs": runs, "codec_speed": speed})
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

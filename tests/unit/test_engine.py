@@ -1,0 +1,126 @@
+"""The engine's equivalences: DiLoCo degenerates to plain training, ddp to a bigger batch."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from peer.simulation import Simulation, SimulationConfig, allreduce
+from peer.worker import Worker, lr_at
+from protocol.butterfly import bytes_sent, slice_bounds
+from protocol.codecs import get_codec
+from protocol.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, SyncConfig, TrainConfig
+
+MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=2, d_ff=64, seq_len=16)
+
+
+def make_cfg(sync: SyncConfig, outer: OuterConfig = OuterConfig(), batch: int = 4) -> TrainConfig:
+    return TrainConfig(model=MODEL, data=DataConfig(seed=7),
+                       inner=InnerConfig(lr=1e-2, warmup_steps=3, total_steps=30, batch_size=batch), outer=outer,
+                       sync=sync)
+
+
+def batches(n: int, batch: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        w = torch.randint(0, 256, (batch, MODEL.seq_len + 1), generator=g)
+        out.append((w[:, :-1], w[:, 1:]))
+    return out
+
+
+def params(w: Worker) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in w.model.named_parameters()}
+
+
+def test_diloco_with_one_worker_lr1_no_momentum_equals_plain_training_step_for_step():
+    plain = Worker(make_cfg(SyncConfig(method="ddp")))
+    diloco = Worker(make_cfg(SyncConfig(method="diloco", inner_steps=5, fragments=1, overlap=0, alpha=0.0),
+                             OuterConfig(lr=1.0, momentum=0.0, nesterov=False)))
+    for x, y in batches(20, 4):
+        for w in (plain, diloco):
+            w.forward_backward([(x, y)])
+            w.optimizer_step()
+        for p in diloco.schedule.starts_after(diloco.step):
+            delta, weight = diloco.begin_sync(p)
+            avg, sent = allreduce([delta], [weight], get_codec("fp32"))
+            assert sent == [0]
+            diloco.apply_outer(p, avg)
+        a, b = params(plain), params(diloco)
+        for n in a:
+            # global - (global - local) == local up to one fp32 rounding per outer step
+            torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-6)
+    assert diloco.step == 20
+    assert torch.equal(diloco.global_state()["tok_emb.weight"], diloco.model.tok_emb.weight.detach())
+
+
+def test_ddp_with_m_workers_equals_one_worker_with_an_m_times_batch():
+    M, B = 3, 4
+    workers = [Worker(make_cfg(SyncConfig(method="ddp"), batch=B)) for _ in range(M)]
+    big = Worker(make_cfg(SyncConfig(method="ddp"), batch=M * B))
+    codec = get_codec("fp32")
+    for step in range(8):
+        parts = batches(M, B, seed=100 + step)
+        for w, part in zip(workers, parts):
+            w.forward_backward([part])
+        big.forward_backward([(torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))])
+        avg, _ = allreduce([w.grad_vector() for w in workers], [1.0] * M, codec)
+        for w in workers:
+            w.set_grad_vector(avg)
+            w.optimizer_step()
+        big.optimizer_step()
+    ref = params(big)
+    for w in workers:
+        for n, p in params(w).items():
+            torch.testing.assert_close(p, ref[n], rtol=1e-4, atol=1e-5)
+
+
+def test_allreduce_counts_butterfly_bytes_and_gives_the_weighted_mean():
+    torch.manual_seed(0)
+    vecs = [torch.randn(1001) for _ in range(4)]
+    weights = [1.0, 2.0, 3.0, 4.0]
+    exact = sum(w * v for w, v in zip(weights, vecs)) / sum(weights)
+    for name in ("fp32", "int8", "fp4"):
+        codec = get_codec(name)
+        avg, sent = allreduce(vecs, weights, codec)
+        assert sent == bytes_sent(1001, 4, codec.encoded_size)
+        err = (avg - exact).abs().max().item()
+        assert err < {"fp32": 1e-6, "int8": 0.05, "fp4": 0.6}[name], (name, err)
+    assert slice_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+
+
+def test_fp4_average_travels_fewer_bytes_than_fp32_by_the_codec_ratio():
+    n = 1 << 14
+    fp32 = sum(bytes_sent(n, 4, get_codec("fp32").encoded_size))
+    fp4 = sum(bytes_sent(n, 4, get_codec("fp4").encoded_size))
+    assert 6.0 < fp32 / fp4 <= 8.0
+
+
+def test_overlap_makes_the_average_visible_exactly_tau_steps_later(tmp_path):
+    (tmp_path / "a").mkdir()
+    for i in range(40):
+        (tmp_path / "a" / f"{i}.txt").write_bytes(bytes(range(256)) * 4 + str(i).encode())
+    tc = make_cfg(SyncConfig(method="diloco", inner_steps=8, fragments=2, overlap=2, alpha=0.5, codec="fp4"))
+    tc = dataclasses.replace(tc, data=DataConfig(source=str(tmp_path / "a"), heldout_fraction=0.2))
+    sim = Simulation(SimulationConfig(train=tc, workers=2, steps=20))
+    history = []
+    for _ in range(20):
+        before = [f.global_flat.clone() for f in sim.workers[0].outer]
+        sim.step()
+        after = [f.global_flat for f in sim.workers[0].outer]
+        history.append([not torch.equal(b, a) for b, a in zip(before, after)])
+    changed = {p: [s + 1 for s, row in enumerate(history) if row[p]] for p in range(2)}
+    # fragment 0 starts at 4, 12, 20 and fragment 1 at 8, 16; each lands tau = 2 steps later
+    assert changed == {0: [6, 14], 1: [10, 18]}
+    assert sorted(sim.in_flight) == [0]  # fragment 0's sync after step 20 is still in flight
+    # every worker holds the same global copy after every round
+    for f0, f1 in zip(sim.workers[0].outer, sim.workers[1].outer):
+        assert torch.equal(f0.global_flat, f1.global_flat)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = InnerConfig(lr=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.55)
+    assert lr_at(110, cfg) == pytest.approx(0.1) and lr_at(500, cfg) == pytest.approx(0.1)
