@@ -1,0 +1,208 @@
+"""The node's network: hivemind's libp2p daemon (``P2P``) and a DHT node, on one event loop.
+
+hivemind's own ``hivemind.DHT`` runs the DHT in a child process and talks to it over pipes;
+we run ``DHTNode`` directly on an asyncio loop in a daemon thread instead, next to the P2P
+instance that the averager uses, so one process owns one daemon and one loop. The training
+thread submits coroutines with ``Network.call`` (blocking, with a timeout) or ``submit``.
+
+The libp2p identity is the volunteer's Ed25519 key file (``peer.identity_store``), so the
+peer ID that others see is the key that signs our messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, TypeVar
+
+from hivemind.dht.node import DHTNode
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2P, P2PDaemonError
+from hivemind.utils.serializer import MSGPackSerializer
+
+from protocol.envelope import verify
+from protocol.errors import RemoteProtocolError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+MAX_RECORD_BYTES = 1 << 20  # a signed manifest is the largest record we write (~1 KB typical)
+
+
+class RecordOwnerValidator(RecordValidatorBase):
+    """Only the owner of a DHT map slot may write it; refuse everything else at store time.
+
+    Every map record of ours has a ``bytes`` subkey ending in the writer's public key (its
+    key, or run ID + key) and a signed envelope as value. Honest nodes check both before they
+    store a record for someone or return one to us, so nobody can overwrite another peer's
+    heartbeat or advertisement. (Without this, hivemind stores whatever arrives; and one
+    ``int`` subkey next to ``bytes`` ones even breaks later stores of that key, because its
+    expiration heap compares subkeys.) Which message type a slot must hold, and for which
+    run, is checked on read in ``peer.presence``, where it is known.
+    """
+
+    def validate(self, record: DHTRecord) -> bool:
+        if len(record.value) > MAX_RECORD_BYTES:
+            return False
+        if record.subkey in (DHTProtocol.IS_REGULAR_VALUE, DHTProtocol.IS_DICTIONARY):
+            return True
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+            value = MSGPackSerializer.loads(record.value)
+        except Exception:  # msgpack raises several unrelated types on junk
+            return False
+        if not (isinstance(subkey, bytes) and 32 <= len(subkey) <= 64 and isinstance(value, bytes)):
+            return False
+        try:
+            return verify(value).signer == subkey[-32:]
+        except RemoteProtocolError:
+            return False
+
+
+class NetworkError(Exception):
+    """The network could not start or a network call failed; the message says what to do."""
+
+
+@dataclass(kw_only=True, slots=True)
+class NetworkConfig:
+    identity_path: str
+    """libp2p private-key file: the volunteer's identity (see peer.identity_store)."""
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    """Where to listen; /ip4/127.0.0.1/tcp/0 keeps a node on this machine (tests, demo)."""
+    announce_maddrs: tuple[str, ...] = ()
+    """Addresses to advertise instead of the listening ones (behind port forwarding)."""
+    initial_peers: tuple[str, ...] = ()
+    """Bootstrap multiaddrs ending in /p2p/PEER_ID; empty to start a new swarm."""
+    use_relay: bool = True
+    """Let peers behind NAT reach us and others through libp2p circuit relays."""
+    use_auto_relay: bool = False
+    """Look for a relay to become reachable when we are behind NAT."""
+    startup_timeout_s: float = 20.0
+    client_mode: bool = False
+    """A DHT client stores nothing for others (for peers that cannot accept connections)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Network:
+    """P2P + DHTNode on a private event loop. Use as a context manager, or ``close()``."""
+
+    def __init__(self, cfg: NetworkConfig):
+        self.cfg = cfg
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="swarmstream-network", daemon=True)
+        self._thread.start()
+        self.p2p: P2P | None = None
+        self.dht: DHTNode | None = None
+        self._closed = False
+        try:
+            self.call(self._start(), timeout=cfg.startup_timeout_s + 30)
+        except BaseException:
+            self.close()
+            raise
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def _start(self) -> None:
+        cfg = self.cfg
+        try:
+            # hivemind's "identity already taken" check parses key files as RSA and fails on
+            # Ed25519 ones; a second node on the same identity is refused by our own lock instead.
+            self.p2p = await P2P.create(
+                initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
+                announce_maddrs=list(cfg.announce_maddrs) or None, identity_path=cfg.identity_path,
+                use_relay=cfg.use_relay, use_auto_relay=cfg.use_auto_relay,
+                startup_timeout=cfg.startup_timeout_s, check_if_identity_free=False,
+                dht_mode="client" if cfg.client_mode else "server", **cfg.extra)
+        except P2PDaemonError as e:
+            if "bootstrap" in str(e):
+                raise NetworkError(f"none of the bootstrap peers answered ({', '.join(cfg.initial_peers)}); "
+                                   "check the run address and that those peers are online") from None
+            raise NetworkError(f"the libp2p daemon did not start: {e}; check that the listen address "
+                               f"({', '.join(cfg.host_maddrs)}) is free and valid") from None
+        try:
+            self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=list(cfg.initial_peers) or None,
+                                            client_mode=cfg.client_mode, ensure_bootstrap_success=True,
+                                            record_validator=RecordOwnerValidator())
+        except RuntimeError as e:
+            if "bootstrap" in str(e):
+                raise NetworkError(f"none of the bootstrap peers answered ({', '.join(cfg.initial_peers)}); "
+                                   "check the run address and that those peers are online") from None
+            raise
+
+    # --- calling into the loop ---------------------------------------------------------
+
+    def submit(self, coro: Awaitable[T]) -> concurrent.futures.Future[T]:
+        if self._closed:
+            raise NetworkError("the network is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+
+    def call(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the network loop and wait for it (at most ``timeout`` seconds)."""
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise NetworkError(f"network call did not finish within {timeout} s") from None
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    # --- facts ---------------------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> str:
+        assert self.p2p is not None
+        return self.p2p.peer_id.to_base58()
+
+    def visible_maddrs(self) -> list[str]:
+        """Addresses others can dial us at, each ending in /p2p/OUR_PEER_ID."""
+        assert self.p2p is not None
+        maddrs = self.call(self.p2p.get_visible_maddrs(), timeout=10)
+        return [str(m) if "/p2p/" in str(m) else f"{m}/p2p/{self.peer_id}" for m in maddrs]
+
+    def num_peers(self) -> int:
+        assert self.p2p is not None
+        return len(self.call(self.p2p.list_peers(), timeout=10))
+
+    # --- shutdown ----------------------------------------------------------------------
+
+    async def _stop(self) -> None:
+        if self.dht is not None:
+            await self.dht.shutdown()
+        if self.p2p is not None:
+            await self.p2p.shutdown()
+        # background jobs (DHT refresh, stream handlers) end with the loop, not after it
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the DHT node and the libp2p daemon (no stray p2pd), then the loop. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self.loop.is_running():
+                asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(timeout)
+        except Exception as e:  # shutting down: report, then make sure the daemon is gone
+            log.warning("network shutdown was not clean reason=%r", e)
+            if self.p2p is not None:
+                self.p2p._terminate()
+        finally:
+            self._closed = True
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout)
+
+    def __enter__(self) -> Network:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

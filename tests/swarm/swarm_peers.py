@@ -1,0 +1,64 @@
+"""Entry points of peer processes started by the swarm tests (spawned, so importable here)."""
+
+from __future__ import annotations
+
+import time
+
+from hivemind.utils import get_dht_time
+
+
+def creator(identity_path: str, manifest_bytes: bytes, run_id: bytes, out_q, stop_evt) -> None:
+    """Publish a run's manifest, a heartbeat and an advertisement; serve until told to stop."""
+    from peer.identity_store import load_or_create_identity
+    from peer.network import Network, NetworkConfig
+    from peer.presence import Presence
+    from protocol.messages_swarm import Heartbeat, RunAdvertised
+
+    ident = load_or_create_identity(identity_path)
+    with Network(NetworkConfig(identity_path=identity_path, host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as net:
+        pres = Presence(net.dht, ident)
+        net.call(pres.publish_manifest(manifest_bytes, run_id), timeout=30)
+        now = get_dht_time()
+        hb = Heartbeat(run_id=run_id, sent_at=now, state="training", step=42, tokens=1000, tokens_per_s=10.0,
+                       rounds=(1, 0), state_digest=b"", reachable=True, maddrs=(), client="swarmstream/test",
+                       device="cpu")
+        net.call(pres.announce(hb, 60), timeout=30)
+        ad = RunAdvertised(run_id=run_id, sent_at=now, name="test run", num_params=1234, peers=1, step=42)
+        net.call(pres.advertise(ad, 60), timeout=30)
+        out_q.put(("ready", net.visible_maddrs(), ident.public_key))
+        stop_evt.wait(120)
+
+
+def forger(identity_path: str, initial_peers: list[str], run_id: bytes, victim_key: bytes, out_q, stop_evt) -> None:
+    """Write hostile records: a manifest that is another run, a heartbeat in someone else's
+    slot, a heartbeat whose bytes were altered, and junk under odd subkeys."""
+    from peer.identity_store import load_or_create_identity
+    from peer.network import Network, NetworkConfig
+    from peer.presence import manifest_key, peers_key
+    from protocol.config import TrainConfig
+    from protocol.envelope import seal
+    from protocol.manifest import RunManifest, SwarmConfig, sign_manifest
+    from protocol.messages_swarm import Heartbeat
+
+    ident = load_or_create_identity(identity_path)
+    with Network(NetworkConfig(identity_path=identity_path, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+                               initial_peers=tuple(initial_peers))) as net:
+        exp = get_dht_time() + 60
+        other = RunManifest(name="impostor", description="", train=TrainConfig(), swarm=SwarmConfig(),
+                            creator=ident.public_key, created_at=time.time())
+        net.call(net.dht.store(manifest_key(run_id), sign_manifest(other, ident), exp, subkey=ident.public_key), 30)
+        hb = Heartbeat(run_id=run_id, sent_at=get_dht_time(), state="training", step=1, tokens=10 ** 12,
+                       tokens_per_s=1.0, rounds=(), state_digest=b"", reachable=True, maddrs=(),
+                       client="swarmstream/evil", device="cpu")
+        sealed = seal(hb, ident)
+        net.call(net.dht.store(peers_key(run_id), sealed, exp, subkey=victim_key), 30)  # someone else's slot
+        tampered = bytearray(sealed)
+        tampered[-5] ^= 1
+        net.call(net.dht.store(peers_key(run_id), bytes(tampered), exp, subkey=ident.public_key), 30)
+        net.call(net.dht.store(peers_key(run_id), b"\xc1junk", exp, subkey=12345), 30)
+        # properly signed and in its own slot, but for another run: only a reader can tell
+        import dataclasses
+        wrong_run = dataclasses.replace(hb, run_id=bytes(20))
+        net.call(net.dht.store(peers_key(run_id), seal(wrong_run, ident), exp, subkey=ident.public_key), 30)
+        out_q.put(("done", ident.peer_id))
+        stop_evt.wait(120)
