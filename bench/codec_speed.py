@@ -6,7 +6,7 @@ it encodes faster than the link sends them. Compare ``encode_mb_s`` with your up
 speed of a plain ``x.to(torch.float16)``: the floor any codec can hope to reach.
 
     python bench/codec_speed.py                   # table for all codecs, 16 Mi elements
-    python bench/codec_speed.py --numel 1048576 --out codec_speed.json
+    python bench/codec_speed.py --numel 1048576 --out codec_speed.json   # JSON always written
 
 MB/s here is 10**6 bytes of fp32 input (4 bytes per element) per second, best of ``repeats``.
 Keep runs short on shared machines: each repeat touches a few hundred MB.
@@ -15,10 +15,7 @@ Keep runs short on shared machines: each repeat touches a few hundred MB.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -26,6 +23,8 @@ import torch
 
 # Runnable as a plain script from the repository root, without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchutil import write_json  # noqa: E402
 
 from protocol.codecs import get_codec  # noqa: E402
 from protocol.config import CODEC_NAMES  # noqa: E402
@@ -58,21 +57,12 @@ def codec_throughput(name: str, numel: int = 1 << 24, repeats: int = 3) -> dict:
     }
 
 
-def _git_head() -> str:
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=1 << 24, help="elements per tensor (default 16Mi = 64 MB fp32)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the best counts")
     ap.add_argument("--codecs", default=",".join(CODEC_NAMES), help="comma-separated codec names")
-    ap.add_argument("--out", help="write the results as JSON to this path")
+    ap.add_argument("--out", help="JSON path (default bench/results/codec_speed.json)")
     args = ap.parse_args(argv)
 
     rows = [codec_throughput(n, args.numel, args.repeats) for n in args.codecs.split(",")]
@@ -80,22 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['codec']:<6} {r['bits_per_element']:>8.3f} {r['encode_mb_s']:>12.0f} "
               f"{r['decode_mb_s']:>12.0f} {r['to_fp16_mb_s']:>13.0f}")
-    if args.out:
-        report = {
-            "bench": "codec_speed",
-            "git_head": _git_head(),
-            "platform": platform.platform(),
-            "machine": platform.machine(),
-            "processor": platform.processor(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(),
-            "results": rows,
-        }
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.out}")
+    print(f"wrote {write_json(args.out, 'codec_speed', {'numel': args.numel, 'results': rows})}")
     return 0
 
 

@@ -12,10 +12,7 @@ over wall time; a row faster than the copy does not copy the payload at all.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import cryptography  # noqa: E402
+from benchutil import write_json  # noqa: E402
 import msgpack  # noqa: E402
 
 from protocol.envelope import seal, seal_parts, verify  # noqa: E402
@@ -62,30 +60,12 @@ def rate(seconds_budget: float, fn, *args) -> float:
     return best
 
 
-def git_commit() -> dict[str, object]:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True,
-                                    check=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": "unknown", "dirty": None}
-    return {"commit": commit, "dirty": dirty}
-
-
-def machine() -> dict[str, object]:
-    return {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
-            "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "msgpack": ".".join(map(str, msgpack.version)), "cryptography": cryptography.__version__}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slice-mib", type=int, default=64, help="payload size of the slice message (MiB)")
     parser.add_argument("--repeat", type=int, default=5, help="runs per large-message row (best is kept)")
     parser.add_argument("--seconds", type=float, default=3.0, help="time budget per small-message rate")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "protocol.json")
+    parser.add_argument("--out", type=Path, help="JSON path (default bench/results/protocol.json)")
     args = parser.parse_args()
 
     identity = Identity.from_seed(bytes(range(32)))
@@ -141,11 +121,10 @@ def main() -> int:
         else:
             print(f"{r['case']:<62} {r['mib_per_s']:>10,} MiB/s {r['ms']:>9} ms")
 
-    result = {"benchmark": "protocol", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **git_commit(),
-              "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    libs = {"msgpack": ".".join(map(str, msgpack.version)), "cryptography": cryptography.__version__}
+    out = write_json(args.out, "protocol", {"libraries": libs, "args": {k: str(v) for k, v in vars(args).items()},
+                                            "rows": rows})
+    print(f"\nwrote {out}")
     return 0
 
 

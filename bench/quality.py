@@ -22,7 +22,7 @@ from benchutil import print_table, write_json  # noqa: E402
 
 from peer.data import load_corpus  # noqa: E402
 from peer.simulation import SimulationConfig, run_simulation  # noqa: E402
-from protocol.config import DataConfig, InnerConfig, SyncConfig, TrainConfig, model_preset  # noqa: E402
+from protocol.config import ConfigError, DataConfig, InnerConfig, SyncConfig, TrainConfig, model_preset  # noqa: E402
 
 
 def configurations(H: int, P: int) -> list[tuple[str, SyncConfig]]:
@@ -58,8 +58,11 @@ def main() -> int:
     model = model_preset(args.preset)
     data = DataConfig(source="stdlib", seed=args.seed)
     inner = InnerConfig(lr=args.lr, warmup_steps=max(1, steps // 20), total_steps=steps, batch_size=args.batch_size)
+    try:
+        rows = configurations(H, args.fragments)
+    except ConfigError as e:
+        ap.error(f"{e} (the table has a tau=5 row: use H >= 6*P)")
     corpus = load_corpus(data, model.vocab_size)
-    rows = configurations(H, args.fragments)
     if args.only:
         keep = {int(i) for i in args.only.split(",")}
         rows = [r for i, r in enumerate(rows, 1) if i in keep]

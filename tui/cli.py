@@ -16,6 +16,7 @@ from protocol.config import PRESETS, SYNC_MODES, CODEC_NAMES, DataConfig, InnerC
 from protocol.errors import ProtocolError
 from tui import __version__
 from tui.run_command import add_run_parser
+from tui.swarm_commands import add_swarm_parsers
 
 
 class UsageError(Exception):
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     add_run_parser(sub)
+    add_swarm_parsers(sub)
     return parser
 
 

@@ -1,8 +1,7 @@
 import pytest
-import torch
 
 from peer.model import Transformer
-from protocol.config import ModelConfig, PRESETS
+from protocol.config import ModelConfig
 from protocol.errors import LocalProtocolError
 from protocol.fragments import SyncSchedule, assign_fragments, fragment_of
 

@@ -1,0 +1,136 @@
+"""``swarmstream demo``: a small local swarm, N real peers on 127.0.0.1.
+
+Each peer is its own process (``python -m peer.node``) with its own identity, libp2p daemon
+and checkpoint folder under a temporary directory. Peer 0 creates the run from a manifest
+(tiny preset, ``stdlib`` corpus, Streaming DiLoCo); the others join by its run address, as a
+volunteer would. Every node prints JSON lines; the demo relays progress and, with
+``rounds``, collects each node's summary into one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from peer.identity_store import load_or_create_identity
+from protocol.config import DataConfig, InnerConfig, SyncConfig, TrainConfig, model_preset
+from protocol.manifest import RunAddress, RunManifest, SwarmConfig, open_manifest, sign_manifest
+
+LOCALHOST = "/ip4/127.0.0.1/tcp/0"
+
+
+class DemoError(Exception):
+    """A demo peer failed to start or exited with an error."""
+
+
+def demo_manifest(peers: int, identity_path: Path) -> bytes:
+    """The demo run: tiny preset, stdlib text, Streaming DiLoCo with short rounds and deadlines."""
+    ident = load_or_create_identity(identity_path)
+    train = TrainConfig(model=model_preset("tiny"), data=DataConfig(source="stdlib"),
+                        inner=InnerConfig(lr=3e-3, warmup_steps=20, total_steps=2000, batch_size=8),
+                        sync=SyncConfig(inner_steps=20, fragments=2, overlap=1, alpha=0.5, codec="fp4"))
+    swarm = SwarmConfig(group_size=max(2, min(peers, 8)), matchmaking_timeout_s=8.0, allreduce_timeout_s=20.0,
+                        heartbeat_interval_s=3.0, heartbeat_ttl_s=10.0)
+    manifest = RunManifest(name="local demo", description=f"{peers} peers on this machine", train=train,
+                           swarm=swarm, creator=ident.public_key, created_at=time.time())
+    return sign_manifest(manifest, ident)
+
+
+class Demo:
+    def __init__(self, peers: int, rounds: int | None, workdir: Path | None = None,
+                 on_event: Callable[[int, dict], None] | None = None):
+        if peers < 1:
+            raise DemoError("a demo needs at least one peer")
+        self.peers, self.rounds = peers, rounds
+        self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="swarmstream-demo-"))
+        self.on_event = on_event or (lambda i, ev: None)
+        self.procs: list[subprocess.Popen] = []
+        self.readers: list[threading.Thread] = []
+        self.summaries: dict[int, dict] = {}
+        self.errors: dict[int, str] = {}
+        self._listening = threading.Event()
+        self._first_maddrs: list[str] = []
+
+    def _spawn(self, i: int, source: list[str]) -> subprocess.Popen:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # N peers share the cores
+        cmd = [sys.executable, "-m", "peer.node", *source, "--identity", str(self.dir / f"peer{i}.key"),
+               "--data-dir", str(self.dir / f"peer{i}"), "--listen", LOCALHOST, "--device", "cpu"]
+        if self.rounds is not None:
+            cmd += ["--rounds", str(self.rounds)]
+        log = open(self.dir / f"peer{i}.log", "wb")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)  # Ctrl+C reaches the demo, which stops peers in order
+        self.procs.append(proc)
+        reader = threading.Thread(target=self._read, args=(i, proc), daemon=True)
+        reader.start()
+        self.readers.append(reader)
+        return proc
+
+    def _read(self, i: int, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("event") == "listening" and i == 0:
+                self._first_maddrs = list(ev.get("maddrs", []))
+                self._listening.set()
+            elif ev.get("event") == "summary":
+                self.summaries[i] = ev
+            self.on_event(i, ev)
+        code = proc.wait()
+        if code != 0 and i not in self.summaries:
+            self.errors[i] = f"peer {i} exited with code {code}; see {self.dir / f'peer{i}.log'}"
+        if i == 0:
+            self._listening.set()
+
+    def start(self) -> None:
+        manifest_path = self.dir / "demo.swarmrun"
+        manifest_path.write_bytes(demo_manifest(self.peers, self.dir / "peer0.key"))
+        run_id = open_manifest(manifest_path.read_bytes()).run_id
+        self._spawn(0, ["--manifest", str(manifest_path)])
+        if not self._listening.wait(90) or not self._first_maddrs:
+            raise DemoError(self.errors.get(0, f"peer 0 did not start; see {self.dir / 'peer0.log'}"))
+        address = str(RunAddress(run_id, tuple(self._first_maddrs[:1])))
+        for i in range(1, self.peers):
+            self._spawn(i, ["--address", address])
+
+    def wait(self) -> dict:
+        """Wait for every peer to exit; return the one-line summary of the swarm."""
+        for p in self.procs:
+            p.wait()
+        for reader in self.readers:  # each reads its peer's stdout to EOF
+            reader.join(10)
+        s = [self.summaries[i] for i in sorted(self.summaries)]
+        digests = {x["global_digest"] for x in s}
+        return {
+            "peers": self.peers, "finished": len(s), "rounds": min((x["rounds"] for x in s), default=0),
+            "heldout_loss": round(sum(x["heldout_loss"] for x in s) / len(s), 4) if s else None,
+            "bytes_sent_per_peer": int(sum(x["bytes_sent"] for x in s) / len(s)) if s else 0,
+            "syncs_alone": sum(x["syncs_alone"] for x in s),
+            "global_copies_agree": len(digests) == 1 and len(s) == self.peers,
+            "errors": [self.errors[i] for i in sorted(self.errors)],
+            "workdir": str(self.dir),
+        }
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Ask every peer to finish (SIGINT), then kill what is left after ``timeout``."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()

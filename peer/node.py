@@ -1,0 +1,298 @@
+"""A swarm peer: trains with the engine and averages fragments with other peers.
+
+One process, two threads. The main thread runs the plain training loop of ``peer.worker``;
+the network thread (``peer.network``) runs hivemind's P2P and DHT, the matchmaker and the
+averager. When fragment p's sync starts after step s, its pseudo-gradient is handed to the
+network thread and training goes on; after step s + tau the node waits for the average only
+if it is late, and measures that wait (``waited_s``). A sync whose group never formed or
+whose all-reduce failed lands the node's *own* pseudo-gradient, so a lone or cut-off peer
+keeps training on its own outer steps (and is counted in ``syncs_alone``).
+
+Rounds are counted per fragment from the schedule: round r of fragment p starts after step
+``offset_p + r*H``. Peers meet in matchmaking by (fragment, round), so peers that train at
+similar speed average together; a much slower peer finds no group and averages alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from peer.allreduce import Averager
+from peer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from peer.data import ShardSampler, heldout_batches, load_corpus
+from peer.identity_store import load_or_create_identity
+from peer.matchmaking import Matchmaker
+from peer.model import Transformer
+from peer.network import Network, NetworkConfig
+from peer.presence import Presence
+from peer.worker import Worker, evaluate, pick_device
+from protocol.manifest import SignedManifest, open_manifest
+from protocol.messages_swarm import Heartbeat, RunAdvertised
+from protocol import __version__
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeConfig:
+    identity_path: Path
+    """The volunteer's key file (libp2p format); its peer ID is the node's."""
+    data_dir: Path
+    """Where checkpoints go (one folder per run)."""
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    initial_peers: tuple[str, ...] = ()
+    announce_maddrs: tuple[str, ...] = ()
+    device: str = "auto"
+    max_rounds: int | None = None
+    """Stop after this many rounds of every fragment (None: train until stopped)."""
+    checkpoint_every_s: float = 120.0
+    eval_batches: int = 8
+
+
+@dataclass(slots=True)
+class NodeStats:
+    rounds: list[int] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    syncs: int = 0
+    syncs_alone: int = 0
+    dropped_peers: int = 0
+    waited_s: float = 0.0
+    inner_s: float = 0.0
+    allreduce_s: list[float] = field(default_factory=list)
+    losses: list[tuple[int, float]] = field(default_factory=list)
+
+
+def global_digest(worker: Worker) -> str:
+    """SHA-256 over the global copy of every fragment: equal on peers that agree bit for bit."""
+    h = hashlib.sha256()
+    for frag in worker.outer:
+        h.update(frag.global_flat.numpy().tobytes())
+    return h.hexdigest()
+
+
+class Node:
+    def __init__(self, cfg: NodeConfig, *, manifest_bytes: bytes | None = None, run_id: bytes | None = None,
+                 on_event: Callable[[dict], None] | None = None):
+        if manifest_bytes is None and run_id is None:
+            raise ValueError("a node needs a manifest or a run ID")
+        self.cfg = cfg
+        self.on_event = on_event or (lambda event: None)
+        self.identity = load_or_create_identity(cfg.identity_path)
+        self.stop_event = threading.Event()
+        self.stats = NodeStats()
+        self.state = "joining"
+        self.net = Network(NetworkConfig(identity_path=str(cfg.identity_path), host_maddrs=cfg.host_maddrs,
+                                         initial_peers=cfg.initial_peers, announce_maddrs=cfg.announce_maddrs))
+        try:
+            assert self.net.dht is not None and self.net.p2p is not None
+            self.presence = Presence(self.net.dht, self.identity)
+            if manifest_bytes is not None:
+                self.signed: SignedManifest = open_manifest(manifest_bytes, run_id=run_id)
+                self.manifest_bytes = manifest_bytes
+            else:
+                self.signed, self.manifest_bytes = self.net.call(self.presence.fetch_manifest(run_id), timeout=60)
+            self.run_id = self.signed.run_id
+            self.net.call(self.presence.publish_manifest(self.manifest_bytes, self.run_id), timeout=30)
+            swarm = self.signed.manifest.swarm
+            self.averager = Averager(self.net.p2p, self.identity, self.run_id)
+            self.net.call(self.averager.start(), timeout=30)
+            self.matchmaker = Matchmaker(self.net.dht, self.identity, self.run_id, swarm)
+        except BaseException:
+            self.net.close()
+            raise
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        """Train until stopped (``stop()``, Ctrl+C, or ``max_rounds``); returns the summary."""
+        train = self.signed.manifest.train
+        swarm = self.signed.manifest.swarm
+        device = pick_device(self.cfg.device)
+        corpus = load_corpus(train.data, train.model.vocab_size)
+        worker = Worker(train, device=device)
+        sampler = ShardSampler(corpus.train, train.model.seq_len, train.inner.batch_size, train.data.seed,
+                               self.identity.public_key)
+        ckpt = self.cfg.data_dir / self.signed.run_id_text / "checkpoint"
+        rounds = [0] * len(worker.outer)
+        if ckpt.exists():
+            try:
+                rounds = load_checkpoint(ckpt, worker, sampler, run_id=self.run_id)
+                log.info("resumed from checkpoint path=%s step=%d rounds=%s", ckpt, worker.step, rounds)
+            except CheckpointError as e:
+                raise SystemExit(f"swarmstream: error: {e}") from None
+        self.stats.rounds = rounds
+        schedule = worker.schedule
+        pending: dict[int, tuple[int, object, torch.Tensor]] = {}
+        last_beat = last_ckpt = 0.0
+        t_start = time.perf_counter()
+        self.state = "training"
+        try:
+            while not self.stop_event.is_set():
+                t0 = time.perf_counter()
+                loss = worker.forward_backward([sampler.next_batch() for _ in range(train.inner.grad_accum)])
+                worker.optimizer_step()
+                self.stats.inner_s += time.perf_counter() - t0
+                step = worker.step
+                if step % 10 == 0:
+                    self.stats.losses.append((step, loss))
+                for p in schedule.starts_after(step):
+                    r = schedule.round_of(p, step)
+                    delta, weight = worker.begin_sync(p)
+                    pending[p] = (r, self.net.submit(self._average(p, r, delta, weight)), delta)
+                for p in schedule.lands_after(step):
+                    self._land(worker, p, pending.pop(p), swarm)
+                now = time.monotonic()
+                if now - last_beat >= swarm.heartbeat_interval_s:
+                    last_beat = now
+                    self._beat(worker, swarm)
+                if now - last_ckpt >= self.cfg.checkpoint_every_s:
+                    last_ckpt = now
+                    save_checkpoint(ckpt, worker, sampler, run_id=self.run_id, rounds=self.stats.rounds)
+                if self.cfg.max_rounds is not None and min(self.stats.rounds) >= self.cfg.max_rounds:
+                    break
+            self.state = "finishing"
+            for p in sorted(pending):  # contribute what was started; never drop it silently
+                self._land(worker, p, pending.pop(p), swarm)
+            save_checkpoint(ckpt, worker, sampler, run_id=self.run_id, rounds=self.stats.rounds)
+        finally:
+            wall = time.perf_counter() - t_start
+        eval_model = Transformer(train.model).to(device)
+        eval_model.load_state_dict(worker.global_state())
+        held = heldout_batches(corpus.heldout, train.model.seq_len, train.inner.batch_size, self.cfg.eval_batches)
+        return {
+            "peer": self.identity.peer_id, "steps": worker.step, "tokens": worker.tokens,
+            "rounds": min(self.stats.rounds) if self.stats.rounds else 0,
+            "heldout_loss": evaluate(eval_model, held, device), "bytes_sent": self.stats.bytes_sent,
+            "bytes_received": self.stats.bytes_received, "syncs": self.stats.syncs,
+            "syncs_alone": self.stats.syncs_alone, "dropped_peers": self.stats.dropped_peers,
+            "waited_s": round(self.stats.waited_s, 3), "inner_s": round(self.stats.inner_s, 3),
+            "wall_s": round(wall, 3), "global_digest": global_digest(worker),
+            "allreduce_s": [round(x, 3) for x in self.stats.allreduce_s],
+        }
+
+    async def _average(self, fragment: int, round_: int, delta: torch.Tensor, weight: float):
+        """Form a group for (fragment, round) and all-reduce; None means average alone."""
+        codec = self.signed.manifest.train.sync.codec
+        group = await self.matchmaker.form_group(fragment, round_, float(weight), delta.numel(), codec)
+        if group is None:
+            return None
+        return await self.averager.allreduce(group, delta, float(weight))
+
+    def _land(self, worker: Worker, fragment: int, item: tuple, swarm) -> None:
+        round_, fut, delta = item
+        t0 = time.perf_counter()
+        try:
+            outcome = fut.result(timeout=swarm.matchmaking_timeout_s + swarm.allreduce_timeout_s + 30)
+        except Exception as e:  # a failed round must not stop training: average alone
+            log.warning("sync failed fragment=%d round=%d reason=%r; applying own update", fragment, round_, e)
+            outcome = None
+        self.stats.waited_s += time.perf_counter() - t0
+        self.stats.syncs += 1
+        if outcome is None:
+            self.stats.syncs_alone += 1
+            avg = delta
+        else:
+            avg = outcome.average
+            self.stats.bytes_sent += outcome.bytes_sent
+            self.stats.bytes_received += outcome.bytes_received
+            self.stats.dropped_peers += len(outcome.dropped)
+            self.stats.allreduce_s.append(outcome.elapsed_s)
+        worker.apply_outer(fragment, avg)
+        self.stats.rounds[fragment] = round_ + 1
+        last_loss = self.stats.losses[-1][1] if self.stats.losses else float("nan")
+        self.on_event({"event": "synced", "fragment": fragment, "round": round_, "step": worker.step,
+                       "alone": outcome is None, "dropped": 0 if outcome is None else len(outcome.dropped),
+                       "train_loss": round(last_loss, 4)})
+        log.info("fragment synced fragment=%d round=%d alone=%s", fragment, round_, outcome is None)
+
+    def _beat(self, worker: Worker, swarm) -> None:
+        now = time.time()
+        tput = worker.tokens / max(self.stats.inner_s, 1e-9)
+        hb = Heartbeat(run_id=self.run_id, sent_at=now, state=self.state, step=worker.step, tokens=worker.tokens,
+                       tokens_per_s=tput, rounds=tuple(self.stats.rounds), state_digest=b"", reachable=True,
+                       maddrs=tuple(self.net.visible_maddrs())[:8], client=f"swarmstream/{__version__}",
+                       device=str(worker.device))
+        self.net.submit(self.presence.announce(hb, swarm.heartbeat_ttl_s))
+        ad = RunAdvertised(run_id=self.run_id, sent_at=now, name=self.signed.manifest.name,
+                           num_params=self.signed.manifest.train.model.num_params(), peers=1, step=worker.step)
+        self.net.submit(self.presence.advertise(ad, swarm.heartbeat_ttl_s))
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def close(self) -> None:
+        try:
+            self.net.call(self.averager.shutdown(), timeout=5)
+        except Exception as e:
+            log.warning("averager shutdown was not clean reason=%r", e)
+        self.net.close()
+
+
+def install_signal_handlers(node: Node) -> None:
+    """First Ctrl+C (or SIGTERM): finish the current step, contribute, checkpoint, exit.
+    A second one exits at once."""
+    def handler(signum, frame):
+        if node.stop_event.is_set():
+            raise KeyboardInterrupt
+        print("swarmstream: stopping after this step (Ctrl+C again to quit now)", flush=True)
+        node.stop()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m peer.node``: one headless node (used by ``swarmstream join`` and ``demo``)."""
+    import argparse
+
+    from peer.logs import init_logging
+    from protocol.manifest import parse_run_address
+
+    ap = argparse.ArgumentParser(prog="python -m peer.node")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--manifest", type=Path, help="a signed .swarmrun file (starts or joins its run)")
+    src.add_argument("--address", help="a run address swarmstream:RUN_ID@MULTIADDR")
+    ap.add_argument("--identity", type=Path, required=True)
+    ap.add_argument("--data-dir", type=Path, required=True)
+    ap.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0")
+    ap.add_argument("--initial-peers", nargs="*", default=[])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--log-level")
+    args = ap.parse_args(argv)
+    init_logging(args.log_level)
+    initial = list(args.initial_peers)
+    manifest_bytes = run_id = None
+    if args.manifest:
+        manifest_bytes = args.manifest.read_bytes()
+    else:
+        addr = parse_run_address(args.address)
+        run_id, initial = addr.run_id, initial + list(addr.bootstrap)
+    cfg = NodeConfig(identity_path=args.identity, data_dir=args.data_dir, host_maddrs=(args.listen,),
+                     initial_peers=tuple(initial), device=args.device, max_rounds=args.rounds)
+    node = Node(cfg, manifest_bytes=manifest_bytes, run_id=run_id,
+                on_event=lambda ev: print(json.dumps(ev), flush=True))
+    try:
+        install_signal_handlers(node)
+        print(json.dumps({"event": "listening", "peer": node.identity.peer_id,
+                          "maddrs": node.net.visible_maddrs(), "run_id": node.signed.run_id_text}), flush=True)
+        summary = node.run()
+        print(json.dumps({"event": "summary", **summary}), flush=True)
+    finally:
+        node.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

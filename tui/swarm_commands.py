@@ -1,0 +1,172 @@
+"""``swarmstream demo``, ``join`` and ``runs``: the commands that put a node on the network.
+
+Nodes run as their own processes (``python -m peer.node``), as they will once the dashboard
+attaches to them; these commands start them and relay what they print. Until the dashboard
+exists, they run headless and print progress lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import platformdirs
+
+
+def _fail(msg: str) -> int:
+    print(f"swarmstream: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _progress(prefix: str, ev: dict) -> None:
+    if ev.get("event") == "synced":
+        how = "alone (no group formed)" if ev["alone"] else f"dropped {ev['dropped']}" if ev["dropped"] else "ok"
+        print(f"{prefix}step {ev['step']:>5}  fragment {ev['fragment']} round {ev['round']:>3}  "
+              f"train_loss {ev['train_loss']:.4f}  {how}", file=sys.stderr, flush=True)
+    elif ev.get("event") == "listening":
+        print(f"{prefix}peer {ev['peer'][:16]}... listening on {', '.join(ev['maddrs'][:1])}", file=sys.stderr,
+              flush=True)
+
+
+# --- demo ----------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from peer.demo import Demo, DemoError
+
+    if not args.headless:
+        print("swarmstream: the dashboard is not built yet; running headless", file=sys.stderr)
+    if not 1 <= args.peers <= 16:
+        return _fail("--peers must be between 1 and 16 on one machine")
+    demo = Demo(args.peers, args.rounds, workdir=args.workdir,
+                on_event=lambda i, ev: _progress(f"[peer {i}] ", ev))
+    print(f"starting {args.peers} peers on 127.0.0.1 (tiny model, stdlib corpus, Streaming DiLoCo); "
+          f"files in {demo.dir}" + ("" if args.rounds else "; Ctrl+C to stop"), file=sys.stderr, flush=True)
+    try:
+        demo.start()
+        summary = demo.wait()
+    except DemoError as e:
+        demo.stop()
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        print("swarmstream: stopping the demo peers ...", file=sys.stderr, flush=True)
+        demo.stop()
+        summary = demo.wait()
+    print(json.dumps(summary))
+    return 0 if not summary["errors"] else 1
+
+
+# --- join ----------------------------------------------------------------------------
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    from protocol.manifest import InvalidAddress, format_run_id, parse_run_address
+
+    try:
+        address = parse_run_address(args.address)
+    except InvalidAddress as e:
+        return _fail(str(e))
+    if not args.headless:
+        print("swarmstream: the dashboard is not built yet; running headless", file=sys.stderr)
+    if not address.bootstrap and not args.initial_peers:
+        return _fail("no peer to join through: paste a full address RUN_ID@MULTIADDR or add --initial-peers")
+    data_dir = args.data_dir or platformdirs.user_data_path("swarmstream", appauthor=False) / "runs"
+    identity = args.identity or platformdirs.user_data_path("swarmstream", appauthor=False) / "identity.key"
+    cmd = [sys.executable, "-m", "peer.node", "--address", str(address), "--identity", str(identity),
+           "--data-dir", str(data_dir), "--listen", args.listen, "--device", args.device,
+           "--initial-peers", *args.initial_peers]
+    if args.rounds is not None:
+        cmd += ["--rounds", str(args.rounds)]
+    if args.log_level:
+        cmd += ["--log-level", args.log_level]
+    print(f"joining run {format_run_id(address.run_id)}; checkpoints in {data_dir}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("event") == "summary":
+                ev.pop("event")
+                print(json.dumps(ev), flush=True)
+            else:
+                _progress("", ev)
+        return proc.wait()
+    except KeyboardInterrupt:  # the node got the same Ctrl+C and is finishing its step
+        print("swarmstream: stopping the node ...", file=sys.stderr, flush=True)
+        try:
+            return proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return 130
+
+
+# --- runs ----------------------------------------------------------------------------
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from peer.identity_store import load_or_create_identity
+    from peer.network import Network, NetworkConfig, NetworkError
+    from peer.presence import Presence
+    from protocol.manifest import format_run_id
+
+    if not args.initial_peers:
+        return _fail("give --initial-peers MULTIADDR of any peer in the swarm to read its list of runs")
+    with tempfile.TemporaryDirectory() as tmp:
+        key = Path(tmp) / "browse.key"  # a throwaway identity: browsing is not contributing
+        ident = load_or_create_identity(key)
+        try:
+            with Network(NetworkConfig(identity_path=str(key), host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+                                       initial_peers=tuple(args.initial_peers), client_mode=True)) as net:
+                runs = net.call(Presence(net.dht, ident).list_runs(), timeout=30)
+        except NetworkError as e:
+            return _fail(str(e))
+    if args.json:
+        print(json.dumps([{"run_id": format_run_id(r.run_id), "name": r.name, "params": r.num_params,
+                           "step": r.step} for r in runs]))
+        return 0
+    if not runs:
+        print("no runs advertised right now")
+        return 0
+    print(f"{'run ID':<32}  {'name':<24} {'params':>12} {'step':>8}")
+    for r in runs:
+        print(f"{format_run_id(r.run_id):<32}  {r.name[:24]:<24} {r.num_params:>12,} {r.step:>8}")
+    return 0
+
+
+def add_swarm_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="start a small local swarm on 127.0.0.1 and train the tiny model",
+                       description="Start N peers on this machine (each its own process and libp2p daemon), "
+                                   "training the tiny model on the stdlib corpus with Streaming DiLoCo.")
+    p.add_argument("--peers", type=int, default=3, help="number of local peers (default 3)")
+    p.add_argument("--rounds", type=int, help="stop after R rounds of every fragment and print a JSON summary")
+    p.add_argument("--headless", action="store_true", help="no dashboard, progress lines only")
+    p.add_argument("--workdir", type=Path, help="where keys, logs and checkpoints go (default: a temp dir)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("join", help="join a run by its address and contribute",
+                       description="Join a run: fetch and verify its manifest from the swarm, then train "
+                                   "and average with the other peers until stopped (Ctrl+C finishes cleanly).")
+    p.add_argument("address", help="swarmstream:RUN_ID@/ip4/HOST/tcp/PORT/p2p/PEER_ID (or a bare run ID "
+                                   "with --initial-peers)")
+    p.add_argument("--headless", action="store_true", help="no dashboard, progress lines only")
+    p.add_argument("--rounds", type=int, help="stop after R rounds of every fragment")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
+    p.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", help="listen multiaddr (default all interfaces)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
+    p.add_argument("--identity", type=Path, help="key file (default: your swarmstream identity)")
+    p.add_argument("--data-dir", type=Path, help="checkpoint folder (default: your swarmstream data dir)")
+    p.set_defaults(func=cmd_join)
+
+    p = sub.add_parser("runs", help="list the runs advertised in the swarm")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_runs)
+
