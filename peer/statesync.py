@@ -1,0 +1,758 @@
+"""State sync: a peer that joins late or resumes after a pause downloads the run's global state.
+
+What is synced
+--------------
+The *global state* of a run is what peers that averaged together hold bit for bit once the last
+fragment lands a round: for each fragment p, ``global/<p>`` (its fp32 flat global copy,
+``OuterFragment.global_flat``) and ``outer_momentum/<p>`` (the outer SGD momentum buffer, absent
+until the first outer step), plus ``rounds`` (completed rounds per fragment) and ``step``. The
+inner AdamW moments and the local weights are *not* part of it: ``apply`` sets the local weights
+to the global copy (a merge with alpha = 0) and leaves the inner optimizer alone.
+
+Format (``FORMAT``)
+-------------------
+A donor serializes the tensors into one byte string, the *blob*::
+
+    header_len (u32, big-endian) || header || zero padding to a multiple of 8 || data
+
+where ``header`` is the msgpack array ``[[name, numel], ...]`` sorted by name, and ``data`` holds
+each tensor's elements as little-endian fp32, back to back in header order. Every tensor is 1-D.
+Nothing in it varies between peers holding equal tensors (no timestamps, no library versions),
+so equal states give equal blobs on every machine.
+
+The blob is cut into chunks of ``chunk_bytes`` (the last one shorter); the ``StateIndex`` message
+lists ``step``, ``rounds``, the format, the sizes and the SHA-256 of every chunk. The SHA-256 of
+the encoded index is the state's *digest*: what ``Heartbeat.state_digest`` vouches for. Because
+the index is canonical msgpack of canonical content, peers with equal states vouch for the same
+digest. ``chunk_bytes`` is raised (deterministically) when the state would need more than
+``MAX_STATE_CHUNKS`` chunks, so all peers still agree.
+
+Wire
+----
+One libp2p stream protocol per run, ``swarmstream.state.<run_id hex>``. A stream is a *session*:
+the joiner sends requests one at a time and reads each reply before the next; every message is a
+signed envelope (``protocol.envelope``) in a frame of ``u32 big-endian length || bytes``. The
+length is checked against a limit before anything is read (requests: ``MAX_REQUEST_BYTES``; an
+index: ``MAX_HEAD_BYTES`` plus envelope overhead; a chunk: the index's ``chunk_bytes`` plus
+overhead), and every read and write has a deadline.
+
+Donor (``StateServer``)
+-----------------------
+``publish`` encodes a snapshot and keeps it as the current state, and the one before it as the
+previous, so a download that started just before a round landed still completes. It answers
+``RequestStateIndex`` with the current index and ``RequestStateChunk`` for either state; an
+unknown digest or chunk gets ``Rejected("not_found")``. At most ``max_concurrent`` sessions are
+served at once; a session beyond that gets ``Rejected("busy")`` to its first request and is
+closed. A session idle for ``idle_timeout_s`` is closed. A request that fails verification (bad
+signature, other run, signer other than the stream's peer) gets ``bad_request`` /
+``unknown_run`` and the session ends.
+
+Joiner (``fetch_state``)
+------------------------
+1. Ask donors in turn for the index until one answers with an index whose digest is the vouched
+   one (the index is then exactly what the vouchers announced, chunk digests included).
+2. ``parallel`` tasks download chunks; task k starts at donor k mod n (round-robin over donors),
+   keeps one session open, and takes the next chunk from a shared queue.
+3. Each ``StateChunk`` is checked: envelope signature, run, signer = the stream's peer, the
+   index digest and chunk number asked for, its length, and the SHA-256 of its payload against
+   the index. A chunk that fails (bad data, refusal, no answer within ``chunk_timeout_s``,
+   broken stream) goes back to the queue, and its donor is not asked again during this fetch.
+   A busy donor is retried after a backoff (0.2 s, doubling, at most ``chunk_timeout_s``) while
+   other donors carry on; after ``MAX_BUSY_RETRIES`` busy answers in a row it is dropped too.
+4. When every donor is dropped, ``StateSyncError`` says which chunk was left and why each
+   donor failed; the caller may pick a fresh digest from heartbeats and try again.
+5. The assembled blob is parsed (names, sizes and padding checked) into a ``GlobalState``.
+
+Tuning: raise ``parallel`` on fast links with many donors; raise ``chunk_timeout_s`` if donors are
+dropped for timeouts on slow links (a chunk must arrive within it: chunk_bytes / bandwidth plus
+latency); raise a donor's ``max_concurrent`` if joiners see many busy answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
+
+from protocol.envelope import seal, seal_parts, verify
+from protocol.errors import RemoteProtocolError
+from protocol.identity import Identity
+from protocol.messages import MAX_FRAGMENTS, MAX_HEAD_BYTES, MAX_STATE_CHUNKS, Message, encode
+from protocol.messages import digest as sha256
+from protocol.messages_swarm import Rejected, RequestStateChunk, RequestStateIndex, StateChunk, StateIndex
+
+log = logging.getLogger(__name__)
+
+FORMAT = "swarmstream-tensors/1"
+"""``StateIndex.format`` of the blob layout described in the module docstring."""
+MAX_CHUNK_BYTES = 64 << 20
+"""Largest chunk a donor sends (a chunk is one message in memory on both sides)."""
+MAX_REQUEST_BYTES = 4096
+"""Largest request frame a donor reads (a sealed RequestStateChunk is ~250 bytes)."""
+MAX_BUSY_RETRIES = 5
+"""Busy answers in a row after which a donor is dropped from a fetch."""
+_ENVELOPE_OVERHEAD = 1024  # envelope and StateChunk heads around a payload, generously
+_ALIGN = 8
+_NAME = re.compile(r"(global|outer_momentum)/(0|[1-9][0-9]{0,3})")
+_MAX_NUMEL = 1 << 40
+
+
+class StateSyncError(Exception):
+    """The global state could not be fetched, decoded or applied; the message says why."""
+
+
+def handler_name(run_id: bytes) -> str:
+    """The libp2p stream protocol a run's donors serve state on."""
+    return f"swarmstream.state.{run_id.hex()}"
+
+
+# ---------------------------------------------------------------------------------------
+# The state and the worker.
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalState:
+    tensors: dict[str, torch.Tensor]
+    """``global/<p>`` and ``outer_momentum/<p>``: (N_p,) fp32 CPU tensors."""
+    rounds: tuple[int, ...]
+    """Completed outer rounds per fragment."""
+    step: int
+    """Inner steps of the run at this state."""
+
+
+def snapshot(worker: Any, rounds: Sequence[int] | None = None) -> GlobalState:
+    """A copy of ``worker``'s global state (call from the thread that trains it).
+
+    ``rounds`` defaults to ``worker.rounds``; a Worker without that attribute must be given it."""
+    if not worker.outer:
+        raise StateSyncError("state sync needs sync.method='diloco' (a ddp worker has no global copy)")
+    if rounds is None:
+        rounds = getattr(worker, "rounds", None)
+        if rounds is None:
+            raise StateSyncError("snapshot needs the rounds per fragment (pass rounds=...)")
+    rounds = tuple(int(r) for r in rounds)
+    if len(rounds) != len(worker.outer):
+        raise StateSyncError(f"{len(rounds)} round counters for {len(worker.outer)} fragments")
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for p, frag in enumerate(worker.outer):
+            tensors[f"global/{p}"] = frag.global_flat.detach().clone()
+            buf = frag.opt.state.get(frag.global_flat, {}).get("momentum_buffer")
+            if buf is not None:
+                tensors[f"outer_momentum/{p}"] = buf.detach().float().cpu().clone()
+    return GlobalState(tensors=tensors, rounds=rounds, step=int(worker.step))
+
+
+def apply(worker: Any, state: GlobalState) -> None:
+    """Load ``state`` into ``worker``: global copies, outer momentum (cleared where the state has
+    none), local weights := global copy, ``step``, and ``rounds`` if the worker keeps them.
+    Everything is checked first; on a mismatch StateSyncError is raised and nothing changed."""
+    n = len(worker.outer)
+    expected = {f"global/{p}": frag.numel for p, frag in enumerate(worker.outer)}
+    missing = sorted(k for k in expected if k not in state.tensors)
+    allowed = set(expected) | {f"outer_momentum/{p}" for p in range(n)}
+    extra = sorted(k for k in state.tensors if k not in allowed)
+    if missing or extra:
+        raise StateSyncError(f"the fetched state does not fit this model (missing {missing[:3]}, "
+                             f"unexpected {extra[:3]}); is the run's model config the same?")
+    for name, t in state.tensors.items():
+        numel = expected[name.replace("outer_momentum/", "global/")]
+        if t.dtype != torch.float32 or tuple(t.shape) != (numel,):
+            raise StateSyncError(f"the fetched state's {name} is {t.dtype} {tuple(t.shape)}, this model needs "
+                                 f"torch.float32 ({numel},); is the run's model config the same?")
+    if len(state.rounds) != n:
+        raise StateSyncError(f"the fetched state has {len(state.rounds)} round counters for {n} fragments")
+    # everything checked: now change the worker
+    with torch.no_grad():
+        for p, frag in enumerate(worker.outer):
+            frag.global_flat.copy_(state.tensors[f"global/{p}"])
+            mom = state.tensors.get(f"outer_momentum/{p}")
+            if mom is None:
+                frag.opt.state.pop(frag.global_flat, None)
+            else:
+                frag.opt.state[frag.global_flat] = {"momentum_buffer": mom.detach().clone()}
+            frag.merge_into_local(0.0)
+    worker.step = int(state.step)
+    # the local weights are now the global copy: nothing trained since is in them
+    worker.tokens_since_sync = [0] * n
+    if hasattr(worker, "rounds"):
+        worker.rounds = list(state.rounds)
+
+
+# ---------------------------------------------------------------------------------------
+# Serialization (pure).
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def encode_state(state: GlobalState, run_id: bytes, chunk_bytes: int) -> tuple[StateIndex, bytearray]:
+    """The state's index and blob (see the module docstring); deterministic. Costs about one
+    SHA-256 pass and one copy of the state (~1 s per GB)."""
+    names = sorted(state.tensors)
+    arrays = []
+    for name in names:
+        t = state.tensors[name]
+        if not _NAME.fullmatch(name) or t.dtype != torch.float32 or t.dim() != 1:
+            raise StateSyncError(f"cannot serialize {name!r} ({t.dtype}, {t.dim()}-D): state tensors are "
+                                 "global/<p> or outer_momentum/<p>, 1-D fp32")
+        arrays.append(t.detach().cpu().contiguous().numpy().astype("<f4", copy=False))
+    header = msgpack.packb([[name, int(a.size)] for name, a in zip(names, arrays)], use_bin_type=True)
+    start = _aligned(4 + len(header))
+    total = start + sum(a.nbytes for a in arrays)
+    blob = bytearray(total)
+    blob[:4] = len(header).to_bytes(4, "big")
+    blob[4:4 + len(header)] = header
+    pos = start
+    for a in arrays:
+        blob[pos:pos + a.nbytes] = memoryview(a).cast("B")
+        pos += a.nbytes
+    # more chunks than an index may list: grow them, the same way on every peer
+    size = max(chunk_bytes, -(-total // MAX_STATE_CHUNKS))
+    if size > MAX_CHUNK_BYTES:
+        raise StateSyncError(f"a state of {total} bytes is too large to sync (over {MAX_STATE_CHUNKS} chunks "
+                             f"of {MAX_CHUNK_BYTES} bytes)")
+    view = memoryview(blob)
+    digests = tuple(sha256(view[o:o + size]) for o in range(0, total, size))
+    index = StateIndex(run_id=run_id, step=int(state.step), rounds=tuple(state.rounds), format=FORMAT,
+                       total_bytes=total, chunk_bytes=size, chunk_digests=digests)
+    return index, blob
+
+
+def index_digest(index: StateIndex) -> bytes:
+    """The digest heartbeats vouch for: SHA-256 of the encoded index."""
+    return sha256(encode(index))
+
+
+def decode_state(index: StateIndex, blob: bytes | bytearray) -> GlobalState:
+    """Parse a blob that matches ``index``; raises StateSyncError on anything malformed.
+    The tensors are views into ``blob`` when it is a bytearray (no copy)."""
+    if not isinstance(blob, bytearray):
+        blob = bytearray(blob)  # the tensors are views into it, and torch wants writable memory
+    view = memoryview(blob)
+    if index.format != FORMAT:
+        raise StateSyncError(f"the state is in format {index.format!r}; this client reads {FORMAT!r} "
+                             "(upgrade swarmstream)")
+    if len(view) != index.total_bytes or len(view) < 4:
+        raise StateSyncError(f"the state blob is {len(view)} bytes, its index says {index.total_bytes}")
+    head_len = int.from_bytes(view[:4], "big")
+    if 4 + head_len > len(view) or head_len > MAX_HEAD_BYTES:
+        raise StateSyncError(f"the state header of {head_len} bytes does not fit the blob")
+    try:
+        header = msgpack.unpackb(view[4:4 + head_len], raw=False, use_list=False, max_str_len=64,
+                                 max_bin_len=0, max_array_len=2 * MAX_FRAGMENTS, max_map_len=0, max_ext_len=0)
+    except Exception as e:  # noqa: BLE001  (msgpack raises many types on junk)
+        raise StateSyncError(f"the state header is not valid msgpack ({type(e).__name__})") from None
+    if type(header) is not tuple:
+        raise StateSyncError("the state header is not a list")
+    entries: list[tuple[str, int]] = []
+    for item in header:
+        if not (type(item) is tuple and len(item) == 2 and type(item[0]) is str and type(item[1]) is int
+                and _NAME.fullmatch(item[0]) and 0 <= item[1] <= _MAX_NUMEL):
+            raise StateSyncError("the state header has a malformed entry")
+        entries.append(item)
+    names = [name for name, _ in entries]
+    if names != sorted(set(names)):
+        raise StateSyncError("the state header's names are not sorted and distinct")
+    start = _aligned(4 + head_len)
+    if start + 4 * sum(numel for _, numel in entries) != len(view) or any(view[4 + head_len:start]):
+        raise StateSyncError("the state blob's size or padding does not match its header")
+    sizes = dict(entries)
+    fragments = len(index.rounds)
+    if {k for k in names if k.startswith("global/")} != {f"global/{p}" for p in range(fragments)}:
+        raise StateSyncError(f"the state does not hold global/0..{fragments - 1} for its {fragments} fragments")
+    for name, numel in entries:
+        if name.startswith("outer_momentum/") and sizes.get(name.replace("outer_momentum/", "global/")) != numel:
+            raise StateSyncError(f"the state's {name} does not match its global copy")
+    tensors = {}
+    pos = start
+    for name, numel in entries:
+        arr = np.frombuffer(blob, dtype="<f4", count=numel, offset=pos) if numel else np.empty(0, "<f4")
+        tensors[name] = torch.from_numpy(arr.astype(np.float32, copy=False))
+        pos += 4 * numel
+    return GlobalState(tensors=tensors, rounds=tuple(index.rounds), step=int(index.step))
+
+
+# ---------------------------------------------------------------------------------------
+# Framing: u32 big-endian length, then one sealed envelope.
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, detail: str):
+        super().__init__(f"refused: {code} ({detail})" if detail else f"refused: {code}")
+        self.code = code
+
+
+class _FrameTooLarge(RemoteProtocolError):
+    pass
+
+
+async def _write_frame(writer: asyncio.StreamWriter, parts: list[Any]) -> None:
+    writer.write(sum(len(p) for p in parts).to_bytes(4, "big"))
+    for p in parts:
+        writer.write(p)
+    await writer.drain()
+
+
+async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
+    size = int.from_bytes(await reader.readexactly(4), "big")
+    if size > limit:
+        raise _FrameTooLarge(f"frame of {size} bytes is over the {limit}-byte limit")
+    return await reader.readexactly(size)
+
+
+def _close(writer: asyncio.StreamWriter) -> None:
+    try:
+        writer.close()
+    except (OSError, RuntimeError):  # already closed, or the loop is going away
+        pass
+
+
+def _short(peer_id: str) -> str:
+    return f"...{peer_id[-6:]}"
+
+
+# ---------------------------------------------------------------------------------------
+# Donor.
+
+
+@dataclass(slots=True)
+class _Published:
+    digest: bytes
+    index: StateIndex
+    blob: bytearray
+    """Never changed once published (chunks are served as views into it)."""
+    sealed_index: bytes
+
+
+@dataclass(slots=True)
+class ServerStats:
+    sessions: int = 0
+    chunks_served: int = 0
+    bytes_served: int = 0
+    busy: int = 0
+    """Sessions refused because ``max_concurrent`` were being served."""
+    bad_requests: int = 0
+
+
+class StateServer:
+    """Serves the current (and previous) global state to joiners; see the module docstring."""
+
+    def __init__(self, p2p: P2P, identity: Identity, run_id: bytes, *, chunk_bytes: int, max_concurrent: int = 2,
+                 idle_timeout_s: float = 30.0, send_timeout_s: float = 60.0):
+        if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}, got {chunk_bytes}")
+        if max_concurrent < 0:
+            raise ValueError(f"max_concurrent must be >= 0, got {max_concurrent}")
+        self.p2p, self.identity, self.run_id = p2p, identity, run_id
+        self.chunk_bytes, self.max_concurrent = chunk_bytes, max_concurrent
+        self.idle_timeout_s, self.send_timeout_s = idle_timeout_s, send_timeout_s
+        self.name = handler_name(run_id)
+        self.stats = ServerStats()
+        self.corrupt_chunks: set[int] = set()
+        """Test only: chunk numbers served with one bit flipped (a donor with bad data)."""
+        self.stall_chunks: set[int] = set()
+        """Test only: chunk numbers never answered (a donor that hangs); the session ends when
+        the joiner hangs up, or after ``idle_timeout_s``."""
+        self._current: _Published | None = None
+        self._previous: _Published | None = None
+        self._active = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._closing = False
+
+    @property
+    def digest(self) -> bytes:
+        """Digest of the current state, b"" before the first ``publish``."""
+        return self._current.digest if self._current else b""
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(self.name, self._handle)
+
+    async def publish(self, state: GlobalState) -> bytes:
+        """Serve ``state`` from now on (the previous one stays available); returns its digest.
+        Encoding runs on the calling loop; for a large model, call ``encode_state`` elsewhere
+        and ``publish_encoded`` here instead."""
+        return self.publish_encoded(*encode_state(state, self.run_id, self.chunk_bytes))
+
+    def publish_encoded(self, index: StateIndex, blob: bytearray) -> bytes:
+        """``publish`` for a state already encoded by ``encode_state`` (call on the loop)."""
+        if index.run_id != self.run_id or len(blob) != index.total_bytes:
+            raise ValueError("the encoded state belongs to another run or does not match its index")
+        d = index_digest(index)
+        if self._current is None or self._current.digest != d:
+            self._previous = self._current
+            self._current = _Published(d, index, blob, seal(index, self.identity))
+            log.info("state published digest=%s bytes=%d chunks=%d step=%d", d.hex()[:12], index.total_bytes,
+                     len(index.chunk_digests), index.step)
+        return d
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        try:
+            await self.p2p.remove_binary_stream_handler(self.name)
+        except (P2PDaemonError, OSError, asyncio.IncompleteReadError) as e:  # the daemon may be gone already
+            log.debug("state handler removal failed reason=%r", e)
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _reject(self, request: int, code: str, detail: str) -> list[Any]:
+        return seal_parts(Rejected(run_id=self.run_id, request=request, code=code, detail=detail[:256]),
+                          self.identity)
+
+    async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = info.peer_id.to_base58()
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        serving = False
+        try:
+            if self._closing or self._active >= self.max_concurrent:
+                code = "shutting_down" if self._closing else "busy"
+                if code == "busy":
+                    self.stats.busy += 1
+                async with asyncio.timeout(self.idle_timeout_s):
+                    data = await _read_frame(reader, MAX_REQUEST_BYTES)
+                    v = verify(data, expect=(RequestStateIndex, RequestStateChunk), run_id=self.run_id, sender=peer)
+                    await _write_frame(writer, self._reject(int(v.message.TAG), code,
+                                                            f"{self._active} downloads in progress"))
+                return
+            self._active += 1
+            serving = True
+            self.stats.sessions += 1
+            await self._serve(peer, reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, asyncio.CancelledError) as e:
+            # the joiner hung up, went silent, or we are shutting down: the session just ends
+            log.debug("state session ended peer=%s reason=%r", peer, e)
+        except RemoteProtocolError as e:
+            self.stats.bad_requests += 1
+            log.info("state request refused peer=%s reason=%s", peer, e)
+        finally:
+            if serving:
+                self._active -= 1
+            if task is not None:
+                self._tasks.discard(task)
+            _close(writer)
+
+    async def _serve(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            async with asyncio.timeout(self.idle_timeout_s):
+                data = await _read_frame(reader, MAX_REQUEST_BYTES)
+            try:
+                msg = verify(data, expect=(RequestStateIndex, RequestStateChunk), sender=peer).message
+            except RemoteProtocolError as e:  # counted and logged by _handle
+                async with asyncio.timeout(self.send_timeout_s):
+                    await _write_frame(writer, self._reject(0, "bad_request", str(e)))
+                raise
+            if msg.run_id != self.run_id:
+                self.stats.bad_requests += 1
+                async with asyncio.timeout(self.send_timeout_s):
+                    await _write_frame(writer, self._reject(int(msg.TAG), "unknown_run",
+                                                            "this peer serves another run"))
+                return
+            if isinstance(msg, RequestStateChunk) and msg.chunk in self.stall_chunks:
+                async with asyncio.timeout(self.idle_timeout_s):
+                    await reader.read()  # no answer; the session ends when the joiner gives up
+                return
+            async with asyncio.timeout(self.send_timeout_s):
+                await _write_frame(writer, self._answer(msg))
+
+    def _answer(self, msg: Message) -> list[Any]:
+        if isinstance(msg, RequestStateIndex):
+            if self._current is None:
+                return self._reject(int(msg.TAG), "not_found", "no state published yet")
+            return [self._current.sealed_index]
+        assert isinstance(msg, RequestStateChunk)
+        pub = next((p for p in (self._current, self._previous) if p is not None and p.digest == msg.index_digest),
+                   None)
+        if pub is None:
+            return self._reject(int(msg.TAG), "not_found", f"state {msg.index_digest.hex()[:12]} is not held here")
+        count = len(pub.index.chunk_digests)
+        if msg.chunk >= count:
+            return self._reject(int(msg.TAG), "not_found", f"chunk {msg.chunk} of a state of {count} chunks")
+        size = pub.index.chunk_bytes
+        payload: bytes | bytearray | memoryview = memoryview(pub.blob)[msg.chunk * size:(msg.chunk + 1) * size]
+        if msg.chunk in self.corrupt_chunks:
+            payload = bytearray(payload)
+            payload[0] ^= 1
+        self.stats.chunks_served += 1
+        self.stats.bytes_served += len(payload)
+        return seal_parts(StateChunk(run_id=self.run_id, index_digest=pub.digest, chunk=msg.chunk, payload=payload),
+                          self.identity)
+
+
+# ---------------------------------------------------------------------------------------
+# Joiner.
+
+
+class _DonorFailed(Exception):
+    """This donor cannot be used for the rest of the fetch; the message says why."""
+
+
+class _Busy(Exception):
+    """The donor serves as many joiners as it will; try again later."""
+
+
+class _Session:
+    """One stream to a donor: requests one at a time, every reply verified."""
+
+    def __init__(self, donor: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.donor, self.reader, self.writer = donor, reader, writer
+
+    @classmethod
+    async def open(cls, p2p: P2P, donor: str, name: str, timeout_s: float) -> _Session:
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(donor), name)
+        except TimeoutError:
+            raise _DonorFailed(f"no stream within {timeout_s:g} s") from None
+        except (P2PDaemonError, P2PHandlerError, OSError, asyncio.IncompleteReadError) as e:
+            raise _DonorFailed(f"cannot open a stream ({e})") from None
+        return cls(donor, reader, writer)
+
+    async def ask(self, request: Message, identity: Identity, expect: type, *, limit: int, timeout_s: float) -> Any:
+        """Send ``request``; the verified reply of type ``expect``. Raises _Busy or _DonorFailed."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await _write_frame(self.writer, seal_parts(request, identity))
+                data = await _read_frame(self.reader, limit)
+            v = verify(data, expect=(expect, Rejected), run_id=request.run_id, sender=self.donor)
+        except TimeoutError:
+            raise _DonorFailed(f"no answer within {timeout_s:g} s") from None
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            raise _DonorFailed(f"the stream broke ({type(e).__name__})") from None
+        except RemoteProtocolError as e:
+            raise _DonorFailed(f"broke the protocol: {e}") from None
+        if isinstance(v.message, Rejected):
+            if v.message.code == "busy":
+                raise _Busy(v.message.detail)
+            raise _DonorFailed(str(_Refused(v.message.code, v.message.detail)))
+        return v
+
+    def close(self) -> None:
+        _close(self.writer)
+
+
+@dataclass(slots=True)
+class FetchStats:
+    """What a ``fetch_state`` did, per donor (peer ID)."""
+
+    chunks: dict[str, int] = field(default_factory=dict)
+    """Verified chunks received from each donor."""
+    bytes: dict[str, int] = field(default_factory=dict)
+    busy: dict[str, int] = field(default_factory=dict)
+    """Busy answers from each donor."""
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Donors given up on, and why."""
+    index_from: str = ""
+
+
+@dataclass(slots=True)
+class _Donor:
+    peer_id: str
+    busy_in_a_row: int = 0
+    busy_until: float = 0.0
+
+
+class _Donors:
+    """Which donors are still usable, which are busy until when, and why others were dropped."""
+
+    def __init__(self, peer_ids: list[str], stats: FetchStats, chunk_timeout_s: float):
+        self.order = [_Donor(p) for p in peer_ids]
+        self.stats, self.chunk_timeout_s = stats, chunk_timeout_s
+
+    def drop(self, donor: str, reason: str) -> None:
+        if donor not in self.stats.dropped:
+            self.stats.dropped[donor] = reason
+            log.info("state donor dropped peer=%s reason=%s", donor, reason)
+
+    def busy(self, donor: str) -> None:
+        d = next(d for d in self.order if d.peer_id == donor)
+        d.busy_in_a_row += 1
+        self.stats.busy[donor] = self.stats.busy.get(donor, 0) + 1
+        if d.busy_in_a_row > MAX_BUSY_RETRIES:
+            self.drop(donor, f"busy {d.busy_in_a_row} times in a row")
+        d.busy_until = time.monotonic() + min(self.chunk_timeout_s, 0.2 * 2 ** (d.busy_in_a_row - 1))
+
+    def served(self, donor: str) -> None:
+        next(d for d in self.order if d.peer_id == donor).busy_in_a_row = 0
+
+    async def pick(self, start: int) -> str | None:
+        """The first usable donor from position ``start`` on (round-robin), waiting out backoffs
+        when all usable ones are busy; None when every donor has been dropped."""
+        n = len(self.order)
+        while True:
+            alive = [self.order[(start + j) % n] for j in range(n)]
+            alive = [d for d in alive if d.peer_id not in self.stats.dropped]
+            if not alive:
+                return None
+            now = time.monotonic()
+            ready = [d for d in alive if d.busy_until <= now]
+            if ready:
+                return ready[0].peer_id
+            await asyncio.sleep(min(d.busy_until for d in alive) - now)  # a backoff, bounded by chunk_timeout_s
+
+    def summary(self) -> str:
+        return "; ".join(f"{_short(p)}: {r}" for p, r in self.stats.dropped.items())
+
+
+async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[str], digest: bytes, *,
+                      chunk_timeout_s: float, parallel: int = 4, progress: Callable[[int, int], None] | None = None,
+                      stats: FetchStats | None = None) -> GlobalState:
+    """Download and check the state with digest ``digest`` from ``donors`` (peer IDs that vouch
+    for it); see the module docstring. ``stats``, if given, is filled in as the fetch goes.
+    Raises StateSyncError when no donor can provide some part in time."""
+    stats = stats if stats is not None else FetchStats()
+    peers = list(dict.fromkeys(donors))
+    if not peers:
+        raise StateSyncError("no donors to fetch the state from; wait for peers that vouch for one")
+    if parallel < 1:
+        raise ValueError(f"parallel must be >= 1, got {parallel}")
+    if len(digest) != 32:
+        raise ValueError(f"a state digest is 32 bytes, got {len(digest)}")
+    pool = _Donors(peers, stats, chunk_timeout_s)
+    name = handler_name(run_id)
+    want = digest.hex()[:12]
+
+    # 1. the index, from the first donor that serves the vouched one
+    index: StateIndex | None = None
+    while index is None:
+        donor = await pool.pick(0)
+        if donor is None:
+            raise StateSyncError(f"none of the {len(peers)} donors served the index of state {want} "
+                                 f"({pool.summary()}); the swarm may have moved on, pick a fresh digest")
+        session = None
+        try:
+            session = await _Session.open(p2p, donor, name, chunk_timeout_s)
+            v = await session.ask(RequestStateIndex(run_id=run_id), identity, StateIndex,
+                                  limit=MAX_HEAD_BYTES + _ENVELOPE_OVERHEAD, timeout_s=chunk_timeout_s)
+        except _Busy:
+            pool.busy(donor)
+            continue
+        except _DonorFailed as e:
+            pool.drop(donor, f"index: {e}")
+            continue
+        finally:
+            if session is not None:
+                session.close()
+        if sha256(v.body) != digest:
+            pool.drop(donor, f"serves state {sha256(v.body).hex()[:12]}, not {want}")
+            continue
+        if v.message.chunk_bytes > MAX_CHUNK_BYTES:
+            pool.drop(donor, f"index has chunks of {v.message.chunk_bytes} bytes (over {MAX_CHUNK_BYTES})")
+            continue
+        index = v.message
+        stats.index_from = donor
+        pool.served(donor)
+    total, size, count = index.total_bytes, index.chunk_bytes, len(index.chunk_digests)
+    log.info("state fetch started digest=%s bytes=%d chunks=%d donors=%d", want, total, count, len(peers))
+
+    # 2. the chunks, from all donors at once
+    blob = bytearray(total)
+    todo: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(count):
+        todo.put_nowait(i)
+    done = {"chunks": 0, "bytes": 0}
+    finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    if progress is not None:
+        progress(0, total)
+    if count == 0:
+        finished.set_result(None)
+
+    async def download(k: int) -> None:
+        donor: str | None = None
+        session: _Session | None = None
+        try:
+            while True:
+                i = await todo.get()
+                length = min(size, total - i * size)
+                while True:
+                    if donor is None or donor in stats.dropped:
+                        if session is not None:
+                            session.close()
+                            session = None
+                        donor = await pool.pick(k)
+                        if donor is None:
+                            if not finished.done():
+                                finished.set_exception(StateSyncError(
+                                    f"no donor could serve chunk {i} of state {want} ({pool.summary()}); "
+                                    "try again with a fresh digest"))
+                            return
+                    try:
+                        if session is None:
+                            session = await _Session.open(p2p, donor, name, chunk_timeout_s)
+                        v = await session.ask(RequestStateChunk(run_id=run_id, index_digest=digest, chunk=i),
+                                              identity, StateChunk, limit=size + _ENVELOPE_OVERHEAD,
+                                              timeout_s=chunk_timeout_s)
+                        got = v.message
+                        if got.index_digest != digest or got.chunk != i:
+                            raise _DonorFailed(f"answered chunk {got.chunk} of {got.index_digest.hex()[:12]} "
+                                               f"to a request for chunk {i} of {want}")
+                        if len(got.payload) != length or v.payload_digest != index.chunk_digests[i]:
+                            raise _DonorFailed("does not match the index (bad data)")
+                    except _Busy:
+                        pool.busy(donor)
+                        donor = None
+                        continue
+                    except _DonorFailed as e:
+                        pool.drop(donor, f"chunk {i}: {e}")
+                        donor = None
+                        continue
+                    blob[i * size:i * size + length] = got.payload
+                    pool.served(donor)
+                    stats.chunks[donor] = stats.chunks.get(donor, 0) + 1
+                    stats.bytes[donor] = stats.bytes.get(donor, 0) + length
+                    done["chunks"] += 1
+                    done["bytes"] += length
+                    if progress is not None:
+                        progress(done["bytes"], total)
+                    if done["chunks"] == count and not finished.done():
+                        finished.set_result(None)
+                    break
+        except Exception as e:  # noqa: BLE001  (a bug, or the progress callback failed: end the fetch, don't hang)
+            if not finished.done():
+                finished.set_exception(e)
+        finally:
+            if session is not None:
+                session.close()
+
+    tasks = [asyncio.create_task(download(k)) for k in range(min(parallel, count))]
+    try:
+        await finished
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    log.info("state fetch done digest=%s chunks_by_donor=%s", want,
+             {_short(p): c for p, c in stats.chunks.items()})
+    return decode_state(index, blob)
+
+
+def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2) -> tuple[bytes, list[bytes]] | None:
+    """The state digest most peers vouch for, and its vouchers (public keys, sorted).
+
+    ``vouches`` maps a peer's public key to the digest in its live heartbeat; empty digests are
+    ignored. Ties go to the smallest digest, so every joiner picks the same one. None unless at
+    least ``min(min_vouchers, peers with a digest)`` peers vouch for the winner."""
+    by_digest: dict[bytes, list[bytes]] = {}
+    for key, d in vouches.items():
+        if d:
+            by_digest.setdefault(bytes(d), []).append(bytes(key))
+    if not by_digest:
+        return None
+    best = min(by_digest, key=lambda d: (-len(by_digest[d]), d))
+    vouchers = sorted(by_digest[best])
+    if len(vouchers) < min(min_vouchers, sum(len(v) for v in by_digest.values())):
+        return None
+    return best, vouchers

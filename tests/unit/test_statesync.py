@@ -1,0 +1,135 @@
+"""State sync without a network: snapshot/apply, the deterministic encoding, choose_digest."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from peer.statesync import (
+    GlobalState, StateSyncError, apply, choose_digest, decode_state, encode_state, index_digest, snapshot,
+)
+from peer.worker import Worker
+from protocol.config import DataConfig, InnerConfig, ModelConfig, SyncConfig, TrainConfig
+
+CFG = TrainConfig(model=ModelConfig(n_layers=2, d_model=32, n_heads=2, d_ff=64, seq_len=16), data=DataConfig(seed=1),
+                  inner=InnerConfig(warmup_steps=2, total_steps=20, batch_size=4),
+                  sync=SyncConfig(inner_steps=4, fragments=2, overlap=1, alpha=0.5, codec="fp4"))
+RUN = b"r" * 20
+
+
+def trained_worker(seed: int) -> Worker:
+    """A worker whose global copies and momentum differ from a fresh one's (two outer steps)."""
+    w = Worker(CFG)
+    gen = torch.Generator().manual_seed(seed)
+    for frag in w.outer:
+        for _ in range(2):
+            frag.step(torch.randn(frag.numel, generator=gen) * 0.01)
+    w.step = 8
+    return w
+
+
+def test_snapshot_then_apply_reproduces_the_global_state_and_sets_local_weights():
+    a = trained_worker(0)
+    state = snapshot(a, rounds=[2, 2])
+    assert state.rounds == (2, 2) and state.step == 8
+    assert sorted(state.tensors) == ["global/0", "global/1", "outer_momentum/0", "outer_momentum/1"]
+    a.outer[0].global_flat.add_(1.0)  # the snapshot is a copy, not a view
+    assert not torch.equal(state.tensors["global/0"], a.outer[0].global_flat)
+
+    b = Worker(CFG)
+    b.tokens_since_sync = [5, 7]
+    apply(b, state)
+    assert b.step == 8 and b.tokens_since_sync == [0, 0]
+    for p, frag in enumerate(b.outer):
+        assert torch.equal(frag.global_flat, state.tensors[f"global/{p}"])
+        assert torch.equal(frag.opt.state[frag.global_flat]["momentum_buffer"], state.tensors[f"outer_momentum/{p}"])
+        assert torch.equal(frag.local_flat(), frag.global_flat)  # merged with alpha = 0
+    again = snapshot(b, rounds=[2, 2])
+    assert index_digest(encode_state(again, RUN, 4096)[0]) == index_digest(encode_state(state, RUN, 4096)[0])
+
+
+def test_apply_without_momentum_clears_it():
+    b = trained_worker(1)
+    fresh = snapshot(Worker(CFG), rounds=[0, 0])
+    assert not any(k.startswith("outer_momentum/") for k in fresh.tensors)
+    apply(b, fresh)
+    assert all(frag.global_flat not in frag.opt.state for frag in b.outer)
+
+
+def test_encoding_is_deterministic_and_round_trips():
+    s1, s2 = snapshot(trained_worker(0), rounds=[3, 2]), snapshot(trained_worker(0), rounds=[3, 2])
+    i1, b1 = encode_state(s1, RUN, 1000)
+    i2, b2 = encode_state(s2, RUN, 1000)
+    assert b1 == b2 and index_digest(i1) == index_digest(i2)
+    assert len(i1.chunk_digests) == -(-len(b1) // 1000)
+
+    back = decode_state(i1, b1)
+    assert back.rounds == (3, 2) and back.step == 8 and back.tensors.keys() == s1.tensors.keys()
+    for k, t in s1.tensors.items():
+        assert torch.equal(back.tensors[k], t)
+
+    flipped = dict(s2.tensors)
+    t = flipped["outer_momentum/1"].clone()
+    t.view(torch.int32)[123] ^= 1  # one bit of one element
+    flipped["outer_momentum/1"] = t
+    i3, _ = encode_state(GlobalState(flipped, s2.rounds, s2.step), RUN, 1000)
+    assert index_digest(i3) != index_digest(i1)
+    # the counters are vouched for too
+    assert index_digest(encode_state(dataclasses.replace(s1, step=9), RUN, 1000)[0]) != index_digest(i1)
+    assert index_digest(encode_state(dataclasses.replace(s1, rounds=(3, 3)), RUN, 1000)[0]) != index_digest(i1)
+
+
+def test_decode_refuses_a_malformed_blob():
+    index, blob = encode_state(snapshot(trained_worker(0), rounds=[1, 1]), RUN, 4096)
+    with pytest.raises(StateSyncError, match="bytes, its index says"):
+        decode_state(index, blob[:-4])
+    bad = bytearray(blob)
+    bad[0:4] = (1 << 30).to_bytes(4, "big")
+    with pytest.raises(StateSyncError, match="header"):
+        decode_state(index, bad)
+    with pytest.raises(StateSyncError, match="format"):
+        decode_state(dataclasses.replace(index, format="other/1"), blob)
+    with pytest.raises(StateSyncError, match="fragments"):
+        decode_state(dataclasses.replace(index, rounds=(1, 1, 1)), blob)
+
+
+def test_apply_refuses_a_mismatched_shape_and_leaves_the_worker_unchanged():
+    b = trained_worker(2)
+    before = [frag.global_flat.clone() for frag in b.outer]
+    local = [p.detach().clone() for p in b.model.parameters()]
+    state = snapshot(trained_worker(3), rounds=[1, 1])
+    tensors = dict(state.tensors)
+    tensors["outer_momentum/1"] = tensors["outer_momentum/1"][:-1]
+    with pytest.raises(StateSyncError, match="outer_momentum/1"):
+        apply(b, GlobalState(tensors, state.rounds, 99))
+    with pytest.raises(StateSyncError, match="unexpected"):
+        apply(b, GlobalState({**state.tensors, "global/2": torch.zeros(3)}, state.rounds, 99))
+    with pytest.raises(StateSyncError, match="round counters"):
+        apply(b, GlobalState(state.tensors, (1,), 99))
+    assert b.step == 8
+    assert all(torch.equal(f.global_flat, x) for f, x in zip(b.outer, before))
+    assert all(torch.equal(p, x) for p, x in zip(b.model.parameters(), local))
+
+
+def test_snapshot_needs_round_counters():
+    with pytest.raises(StateSyncError, match="rounds"):
+        snapshot(Worker(CFG))
+
+
+A, B, C, D, E = (bytes([i]) * 32 for i in range(1, 6))
+X, Y, Z = (bytes([0xA0 + i]) * 32 for i in range(3))
+
+
+@pytest.mark.parametrize(("vouches", "min_vouchers", "expected"), [
+    ({}, 2, None),
+    ({A: b"", B: b""}, 2, None),  # nobody holds a state yet
+    ({A: X}, 2, (X, [A])),  # a lone peer: one voucher is all there can be
+    ({A: X, B: b""}, 2, (X, [A])),
+    ({A: X, B: Y}, 2, None),  # two peers disagree: nobody to trust
+    ({A: X, B: X, C: Y}, 2, (X, [A, B])),
+    ({C: Y, B: X, A: X, D: Y, E: Z}, 2, (X, [A, B])),  # a tie goes to the smaller digest
+    ({A: Y, B: X, C: Y}, 3, None),
+    ({A: Y, B: Y, C: Y, D: X}, 3, (Y, [A, B, C])),
+])
+def test_choose_digest(vouches, min_vouchers, expected):
+    assert choose_digest(vouches, min_vouchers) == expected
