@@ -1,0 +1,276 @@
+"""Forming averaging groups per (run, fragment, round) through hivemind's DHT.
+
+Records (keys under ``peer.presence.PREFIX``, each a map whose subkey is the writer's public
+key, so a writer can only fill its own slot; see ``peer.network.RecordOwnerValidator``):
+
+- ``run/<run>/avg/<fragment>/<round>/joins``: every ready peer's signed ``JoinGroup``
+  (weight, numel), expiring ``JOIN_TTL_FACTOR * matchmaking_timeout_s`` after it was written;
+- ``run/<run>/avg/<fragment>/<round>/groups``: each group leader's signed ``GroupFormed``.
+
+The scheme, as each peer runs it (``T = matchmaking_timeout_s``, ``gather = GATHER_FRACTION * T``):
+
+1. Write our JoinGroup. Its *join time* is its expiration minus the fixed TTL (the DHT keeps
+   the expiration with each subkey, so no extra field is needed).
+2. Batches: sort the joins of (run, fragment, round) by join time and cut them greedily into
+   windows: a batch starts at the earliest join not yet in a batch and holds every join of
+   the next ``gather`` seconds. Wait until our batch's window has closed, plus ``settle``
+   seconds for the last stores to land, then read the joins one final time.
+3. Groups: rank the batch's peers by ``sha256(seed || public key)`` with
+   ``seed = sha256(run, fragment, round)``, and deal them out to ``ceil(n / group_size)``
+   groups round-robin (sizes differ by at most one, none above ``group_size``). Member order
+   is rank order; the first member is the group's leader; the group ID is a hash of the seed
+   and the members. A new round gives a new seed, so groups reshuffle every round and
+   averages mix across the swarm.
+4. The leader of a group of two or more writes its ``GroupFormed`` and returns it; the others
+   poll the groups key until a verified ``GroupFormed`` that names them appears and follow it.
+   A group of one (an odd peer out, or a lonely peer) gets ``None`` at the deadline.
+
+Why it converges: batches and groups are pure functions of the set of joins, and the final
+read happens after the window has closed, so peers that see the same joins compute the same
+groups. Nobody has to *agree* through the DHT beyond that: members follow the one signed
+record their leader wrote, so each group has exactly one member list and order. Why nobody
+hangs: every wait ends at ``join time + T``. If views differ (a store that landed late), two
+leaders may name the same peer; it follows the leader ranked first (the same rule on every
+peer), and the other group's all-reduce drops the missing member at its deadline. A peer
+named by nobody returns ``None`` and keeps its own value this round.
+
+Checked on read: signature, message type, run, fragment and round (the signed context), that
+the subkey is the signer, numel, codec and deadline against ours, that a group's leader is its
+first member and its ID is the hash of its members, and a join time not in the future beyond
+``CLOCK_SKEW_S``. A record that fails is ignored and logged (``reason=... peer=...``).
+
+Tuning: raise ``matchmaking_timeout_s`` if peers that are ready at about the same time end up
+in separate batches (the window is a fraction of it); on a slow DHT, raise it as well, since
+the settle time is a fraction of it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.dht.node import DHTNode
+from hivemind.utils import get_dht_time
+
+from peer.allreduce import Group
+from peer.presence import PREFIX
+from protocol.envelope import seal, verify
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.identity import Identity, peer_id_from_public_key
+from protocol.manifest import SwarmConfig
+from protocol.messages import GROUP_ID_BYTES, KEY_BYTES
+from protocol.messages_swarm import GroupFormed, JoinGroup
+
+__all__ = ["Matchmaker", "assign_groups", "batch_of", "group_id_of", "groups_key", "joins_key", "round_seed"]
+
+log = logging.getLogger(__name__)
+
+GATHER_FRACTION = 0.4  # of matchmaking_timeout_s: how long a batch stays open after its first join
+SETTLE_FRACTION = 0.1  # of matchmaking_timeout_s, at most SETTLE_MAX_S: for late stores to land
+SETTLE_MAX_S = 2.0
+JOIN_TTL_FACTOR = 2.0  # joins outlive every window they can be part of
+CLOCK_SKEW_S = 30.0
+
+
+def joins_key(run_id: bytes, fragment: int, round: int) -> str:
+    return f"{PREFIX}/run/{run_id.hex()}/avg/{fragment}/{round}/joins"
+
+
+def groups_key(run_id: bytes, fragment: int, round: int) -> str:
+    return f"{PREFIX}/run/{run_id.hex()}/avg/{fragment}/{round}/groups"
+
+
+def round_seed(run_id: bytes, fragment: int, round: int) -> bytes:
+    """The seed that shuffles the groups of one (run, fragment, round)."""
+    return hashlib.sha256(b"swarmstream/groups/v1\0" + run_id + fragment.to_bytes(4, "big")
+                          + round.to_bytes(8, "big")).digest()
+
+
+def rank(seed: bytes, key: bytes) -> bytes:
+    return hashlib.sha256(seed + key).digest()
+
+
+def assign_groups(seed: bytes, keys: list[bytes] | set[bytes], group_size: int) -> list[tuple[bytes, ...]]:
+    """Partition ``keys`` into ceil(n / group_size) groups of near-equal size, each in rank
+    order (its first member leads). Deterministic: the same keys and seed, the same groups."""
+    if group_size < 1:
+        raise LocalProtocolError("group_size must be >= 1")
+    order = sorted(set(keys), key=lambda k: rank(seed, k))
+    count = math.ceil(len(order) / group_size)
+    return [tuple(order[g::count]) for g in range(count)]
+
+
+def batch_of(join_times: dict[bytes, float], me: bytes, gather_s: float) -> tuple[list[bytes], float]:
+    """The batch of joins that ``me`` belongs to, and the time its window closes.
+
+    Windows are cut greedily from the earliest join: [t, t + gather_s] holds the joins in it,
+    the next window starts at the first join after it. ``me`` must be in ``join_times``."""
+    order = sorted(join_times, key=lambda k: (join_times[k], k))
+    start, batch = None, []
+    for k in order:
+        t = join_times[k]
+        if start is None or t > start + gather_s:
+            if me in batch:
+                break
+            start, batch = t, []
+        batch.append(k)
+    assert start is not None and me in batch
+    return batch, start + gather_s
+
+
+def group_id_of(seed: bytes, members: tuple[bytes, ...]) -> bytes:
+    return hashlib.sha256(b"swarmstream/group-id/v1\0" + seed + b"".join(members)).digest()[:GROUP_ID_BYTES]
+
+
+@dataclass(frozen=True, slots=True)
+class _Join:
+    weight: float
+    numel: int
+    joined_at: float
+
+
+class Matchmaker:
+    """Forms this peer's averaging groups for one run. Call ``form_group`` from the event loop
+    that runs ``dht`` (see the module docstring for the scheme)."""
+
+    def __init__(self, dht: DHTNode, identity: Identity, run_id: bytes, swarm: SwarmConfig, *,
+                 poll_s: float = 0.5):
+        self.dht = dht
+        self.identity = identity
+        self.run_id = bytes(run_id)
+        self.swarm = swarm
+        self.poll_s = poll_s
+        t = swarm.matchmaking_timeout_s
+        self.gather_s = GATHER_FRACTION * t
+        self.settle_s = min(SETTLE_FRACTION * t, SETTLE_MAX_S)
+        self.join_ttl_s = JOIN_TTL_FACTOR * t
+
+    def _reject(self, writer: Any, kind: str, err: Exception) -> None:
+        who = peer_id_from_public_key(writer) if isinstance(writer, bytes) and len(writer) == KEY_BYTES \
+            else repr(writer)[:60]
+        log.warning("rejected matchmaking record kind=%s reason=%s peer=%s", kind, err, who)
+
+    async def _entries(self, key: str) -> list[tuple[Any, Any, float]]:
+        found = await self.dht.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        return [(sub, v.value, v.expiration_time) for sub, v in found.value.items()]
+
+    async def _read_joins(self, fragment: int, round: int, numel: int, now: float) -> dict[bytes, _Join]:
+        out: dict[bytes, _Join] = {}
+        for writer, value, expiration in await self._entries(joins_key(self.run_id, fragment, round)):
+            try:
+                if not isinstance(writer, bytes) or len(writer) != KEY_BYTES:
+                    raise RemoteProtocolError("malformed subkey")
+                msg = verify(value, expect=JoinGroup, run_id=self.run_id, fragment=fragment, round=round,
+                             sender=writer).message
+                assert isinstance(msg, JoinGroup)
+                joined_at = expiration - self.join_ttl_s
+                if joined_at > now + CLOCK_SKEW_S:
+                    raise RemoteProtocolError(f"join time {joined_at:.0f} is in the future (now {now:.0f})")
+                if msg.numel != numel:
+                    raise RemoteProtocolError(f"numel {msg.numel} is not ours ({numel})")
+                if not msg.weight > 0:
+                    raise RemoteProtocolError("weight must be positive")
+            except (RemoteProtocolError, TypeError) as e:
+                self._reject(writer, "join", e)
+                continue
+            out[writer] = _Join(msg.weight, msg.numel, joined_at)
+        return out
+
+    async def _read_groups(self, fragment: int, round: int, numel: int, codec: str,
+                           seed: bytes) -> list[GroupFormed]:
+        out = []
+        for writer, value, _ in await self._entries(groups_key(self.run_id, fragment, round)):
+            try:
+                if not isinstance(writer, bytes) or len(writer) != KEY_BYTES:
+                    raise RemoteProtocolError("malformed subkey")
+                msg = verify(value, expect=GroupFormed, run_id=self.run_id, fragment=fragment, round=round,
+                             sender=writer).message
+                assert isinstance(msg, GroupFormed)
+                if msg.members[0] != writer:
+                    raise RemoteProtocolError("the writer is not the group's first member")
+                if not 2 <= len(msg.members) <= self.swarm.group_size:
+                    raise RemoteProtocolError(f"{len(msg.members)} members, not in [2, {self.swarm.group_size}]")
+                if msg.group_id != group_id_of(seed, msg.members):
+                    raise RemoteProtocolError("the group ID is not the hash of its members")
+                if msg.numel != numel or msg.codec != codec:
+                    raise RemoteProtocolError(f"numel/codec {msg.numel}/{msg.codec} are not ours ({numel}/{codec})")
+                if msg.deadline_s != self.swarm.allreduce_timeout_s:
+                    raise RemoteProtocolError(f"deadline {msg.deadline_s} s is not the run's")
+                if not sum(msg.weights) > 0:
+                    raise RemoteProtocolError("weights must have a positive sum")
+            except (RemoteProtocolError, TypeError) as e:
+                self._reject(writer, "group", e)
+                continue
+            out.append(msg)
+        return out
+
+    def _mine(self, formed: list[GroupFormed], seed: bytes, weight: float) -> GroupFormed | None:
+        """The record to follow: among those naming us with our weight, the leader ranked first."""
+        me = self.identity.public_key
+        ours = [f for f in formed if me in f.members and f.weights[f.members.index(me)] == weight]
+        return min(ours, key=lambda f: rank(seed, f.members[0]), default=None)
+
+    def _group(self, f: GroupFormed) -> Group:
+        return Group(run_id=self.run_id, fragment=f.fragment, round=f.round, group_id=bytes(f.group_id),
+                     members=tuple(bytes(m) for m in f.members), weights=tuple(f.weights), numel=f.numel,
+                     codec=f.codec, deadline_s=f.deadline_s)
+
+    async def form_group(self, fragment: int, round: int, weight: float, numel: int, codec: str, *,
+                         now: Callable[[], float] = get_dht_time) -> Group | None:
+        """Our group for (fragment, round), or None if nobody joined us before the deadline
+        (``matchmaking_timeout_s`` after this call): then keep the local value this round."""
+        if not (math.isfinite(weight) and weight > 0):
+            raise LocalProtocolError(f"weight must be a positive number, got {weight}")
+        me = self.identity.public_key
+        seed = round_seed(self.run_id, fragment, round)
+        t_me = now()
+        deadline = t_me + self.swarm.matchmaking_timeout_s
+        join = JoinGroup(run_id=self.run_id, fragment=fragment, round=round, weight=weight, numel=numel)
+        jkey = joins_key(self.run_id, fragment, round)
+        if not await self.dht.store(jkey, seal(join, self.identity), t_me + self.join_ttl_s, subkey=me):
+            log.warning("could not store our JoinGroup fragment=%d round=%d; others may not see us", fragment, round)
+
+        # Wait until our batch's window has closed (and settled), refreshing our view of it.
+        while True:
+            joins = await self._read_joins(fragment, round, numel, now())
+            joins.setdefault(me, _Join(weight, numel, t_me))  # our own store may not be readable yet
+            batch, close = batch_of({k: j.joined_at for k, j in joins.items()}, me, self.gather_s)
+            wake = min(close + self.settle_s, deadline)
+            if now() >= wake:
+                break
+            await asyncio.sleep(min(self.poll_s, wake - now()))
+
+        groups = assign_groups(seed, batch, self.swarm.group_size)
+        mine = next(g for g in groups if me in g)
+        log.info("batch fragment=%d round=%d peers=%d groups=%s ours=%d leader=%s", fragment, round, len(batch),
+                 [len(g) for g in groups], len(mine), mine[0] == me)
+        if len(mine) >= 2 and mine[0] == me:
+            taken = self._mine(await self._read_groups(fragment, round, numel, codec, seed), seed, weight)
+            if taken is not None and rank(seed, taken.members[0]) < rank(seed, me):
+                return self._group(taken)  # a leader ranked before us already named us: follow it
+            formed = GroupFormed(run_id=self.run_id, fragment=fragment, round=round,
+                                 group_id=group_id_of(seed, mine), members=mine,
+                                 weights=tuple(joins[k].weight for k in mine), numel=numel, codec=codec,
+                                 deadline_s=self.swarm.allreduce_timeout_s)
+            expiration = now() + self.swarm.matchmaking_timeout_s + self.swarm.allreduce_timeout_s
+            if not await self.dht.store(groups_key(self.run_id, fragment, round), seal(formed, self.identity),
+                                        expiration, subkey=me):
+                log.warning("could not store our GroupFormed fragment=%d round=%d", fragment, round)
+            return self._group(formed)
+
+        # A follower (or a group of one, which may still be named by a leader whose view differs).
+        while True:
+            found = self._mine(await self._read_groups(fragment, round, numel, codec, seed), seed, weight)
+            if found is not None:
+                return self._group(found)
+            if now() >= deadline:
+                log.info("no group fragment=%d round=%d: averaging alone this round", fragment, round)
+                return None
+            await asyncio.sleep(max(0.0, min(self.poll_s, deadline - now())))

@@ -1,0 +1,334 @@
+"""Butterfly all-reduce and matchmaking between real peers: one process and one p2pd each.
+
+Peers are driven over queues: the test sends commands, each peer answers with results. Every
+peer reports its p2pd's PID so that cleanup can end the daemon even when the peer was killed
+(a SIGKILLed Python process leaves its daemon behind).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+
+import pytest
+import torch
+
+from peer.allreduce import RESULT_GRACE
+from peer.simulation import allreduce as simulated_allreduce
+from protocol.butterfly import slice_bounds
+from protocol.codecs import get_codec
+
+pytestmark = pytest.mark.swarm
+CTX = mp.get_context("spawn")
+RUN_ID = bytes(range(20))
+NUMEL = 10_001  # not divisible by the group sizes: slices of unequal length
+REPLY_TIMEOUT = 45.0
+
+
+def make_vector(seed: int, numel: int = NUMEL) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------
+# The peer process.
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd_q, out_q) -> None:
+    """Start a network and an averager, then run commands until told to stop."""
+    from peer.allreduce import Averager, Group
+    from peer.identity_store import load_or_create_identity
+    from peer.matchmaking import Matchmaker
+    from peer.network import Network, NetworkConfig
+    from protocol.manifest import SwarmConfig
+
+    logs = _Collect()
+    for name in ("peer.allreduce", "peer.matchmaking"):
+        logging.getLogger(name).addHandler(logs)
+        logging.getLogger(name).setLevel(logging.INFO)
+    ident = load_or_create_identity(key_path)
+    with Network(NetworkConfig(identity_path=key_path, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+                               initial_peers=tuple(initial_peers))) as net:
+        av = Averager(net.p2p, ident, RUN_ID, max_frame_bytes=max_frame_bytes)
+        net.call(av.start(), 30)
+        out_q.put(("ready", net.visible_maddrs(), ident.public_key, net.p2p._child.pid))
+        while True:
+            cmd, *args = cmd_q.get()
+            if cmd == "stop":
+                break
+            logs.lines.clear()
+            if cmd == "allreduce":
+                fields, seed, behaviour = args
+                group = Group(**fields)
+                vec = make_vector(seed, group.numel)
+                me = group.members.index(ident.public_key)
+                if behaviour == "honest":
+                    out = net.call(av.allreduce(group, vec, group.weights[me]), 60)
+                    out_q.put(("done", out.average.numpy().tobytes(), out.dropped, out.fallback_parts,
+                               out.bytes_sent, out.elapsed_s, list(logs.lines)))
+                else:
+                    net.call(send_bad_slices(av, group, vec, me), 30)
+                    out_q.put(("sent",))
+            elif cmd == "match":
+                round_, group_size, timeout_s, seed, weight = args
+                swarm = SwarmConfig(group_size=group_size, matchmaking_timeout_s=timeout_s, allreduce_timeout_s=10.0)
+                mm = Matchmaker(net.dht, ident, RUN_ID, swarm, poll_s=0.25)
+                group = net.call(mm.form_group(0, round_, weight, NUMEL, "fp32"), 60)
+                if group is None:
+                    out_q.put(("matched", None, None))
+                    continue
+                out = net.call(av.allreduce(group, make_vector(seed), weight), 60)
+                out_q.put(("matched", dataclasses.asdict(group), out.average.numpy().tobytes()))
+        net.call(av.shutdown(), 10)
+
+
+async def send_bad_slices(av, group, vec: torch.Tensor, me: int) -> None:
+    """To member 0 a slice with a broken signature, to member 1 one of the wrong shape, to
+    member 2 one holding a NaN: each is signed (or nearly) by us and otherwise well-formed."""
+    from protocol.envelope import seal
+    from protocol.identity import peer_id_from_public_key
+    from protocol.messages_swarm import PushSlice
+
+    bounds = slice_bounds(group.numel, len(group.members))
+    for j, kind in enumerate(("forged", "shape", "nan")):
+        s, e = bounds[j]
+        values = vec[s:e].clone()
+        shape = (e - s,)
+        if kind == "shape":
+            shape = (1, e - s)
+        if kind == "nan":
+            values[7] = float("nan")
+        payload = values.numpy().tobytes()  # fp32 by hand: the codec refuses to encode a NaN
+        msg = PushSlice(run_id=group.run_id, fragment=group.fragment, round=group.round, group_id=group.group_id,
+                        part=j, offset=s, numel=e - s, shape=shape, dtype="float32", codec=group.codec,
+                        weight=group.weights[me], payload=payload)
+        frame = bytearray(seal(msg, av.identity))
+        if kind == "forged":
+            frame[-1] ^= 0x01  # the payload no longer matches the signature
+        await av._send_frames(peer_id_from_public_key(group.members[j]), [[bytes(frame)]])
+
+
+# ---------------------------------------------------------------------------------------
+# The test side.
+
+
+@dataclasses.dataclass
+class Peer:
+    proc: mp.Process
+    cmd: object
+    out: object
+    public_key: bytes = b""
+    daemon_pid: int = 0
+    maddrs: list = dataclasses.field(default_factory=list)
+
+    def reply(self, timeout: float = REPLY_TIMEOUT):
+        try:
+            return self.out.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"peer pid={self.proc.pid} did not answer within {timeout} s") from None
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    """``start(n)`` -> n ready peers, all bootstrapped from the first; all ended afterwards."""
+    peers: list[Peer] = []
+
+    def start(n: int, max_frame_bytes: int = 64 << 20) -> list[Peer]:
+        new = []
+        for i in range(n):
+            cmd, out = CTX.Queue(), CTX.Queue()
+            initial = peers[0].maddrs if peers else []
+            proc = CTX.Process(target=peer_main, args=(str(tmp_path / f"peer{len(peers)}.key"), initial,
+                                                       max_frame_bytes, cmd, out), daemon=True)
+            proc.start()
+            peer = Peer(proc, cmd, out)
+            peers.append(peer)
+            new.append(peer)
+            if len(peers) == 1:  # the others need its address
+                _, peer.maddrs, peer.public_key, peer.daemon_pid = peer.reply(60)
+        for peer in new:
+            if not peer.public_key:
+                kind, peer.maddrs, peer.public_key, peer.daemon_pid = peer.reply(60)
+                assert kind == "ready"
+        return new
+
+    yield start
+    for p in peers:
+        if p.proc.is_alive():
+            p.cmd.put(("stop",))
+    for p in peers:
+        p.proc.join(15)
+        if p.proc.is_alive():
+            p.proc.kill()
+            p.proc.join(5)
+        _kill(p.daemon_pid)
+
+
+def _kill(pid: int) -> None:
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def group_fields(peers: list[Peer], weights: list[float], codec: str, group_id: bytes, deadline_s: float = 8.0,
+                 numel: int = NUMEL) -> dict:
+    return {"run_id": RUN_ID, "fragment": 3, "round": 11, "group_id": group_id,
+            "members": tuple(p.public_key for p in peers), "weights": tuple(weights), "numel": numel, "codec": codec,
+            "deadline_s": deadline_s}
+
+
+def partial_reference(vectors: list[torch.Tensor], weights: list[float], alive: list[int], codec_name: str):
+    """What member j of a group of len(vectors) holds for its part when only ``alive`` took
+    part (peer.simulation.allreduce's arithmetic, with the dead left out of the mean)."""
+    codec, n = get_codec(codec_name), len(vectors)
+    out = {}
+    total = float(sum(weights[i] for i in alive))
+    for j, (s, e) in enumerate(slice_bounds(vectors[0].numel(), n)):
+        if j not in alive:
+            continue
+        acc = torch.zeros(e - s)
+        for i in alive:
+            if i == j:
+                acc.add_(vectors[i][s:e], alpha=weights[i] / total)
+            else:
+                codec.decode_add_(acc, codec.encode(vectors[i][s:e]), weights[i] / total)
+        out[j] = codec.decode(codec.encode(acc), e - s)
+    return out
+
+
+def as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.float32)
+
+
+def test_four_peers_get_the_bit_identical_weighted_mean_in_fp32_and_fp4(swarm):
+    # 8 KiB frames: every slice of ~2500 elements goes as three messages per direction
+    peers = swarm(4, max_frame_bytes=8192)
+    weights = [1.0, 2.0, 3.0, 4.5]
+    vectors = [make_vector(100 + i) for i in range(4)]
+    exact_mean = sum(w * v.double() for w, v in zip(weights, vectors)) / sum(weights)
+    for codec, tol in (("fp32", 1e-6), ("fp4", 0.35)):
+        fields = group_fields(peers, weights, codec, group_id=codec.encode().ljust(16, b"\0"))
+        for i, p in enumerate(peers):
+            p.cmd.put(("allreduce", fields, 100 + i, "honest"))
+        replies = [p.reply() for p in peers]
+        ref, ref_sent = simulated_allreduce(vectors, weights, get_codec(codec))
+        for kind, avg, dropped, fallback, sent, elapsed, _ in replies:
+            assert kind == "done" and dropped == () and fallback == ()
+            assert avg == replies[0][1]  # bit-identical on every member
+            got = as_tensor(avg)
+            assert torch.equal(got, ref)  # and the same bytes as the in-process reference
+            assert float((got.double() - exact_mean).abs().max()) < tol * float(exact_mean.abs().max())
+            assert sent >= ref_sent[0] * 0.9  # the encoded slices, plus envelopes
+            assert elapsed < 8.0
+
+
+def test_a_killed_member_and_a_stalled_one_are_dropped_and_the_others_finish(swarm):
+    peers = swarm(5)
+    weights = [1.0, 1.0, 2.0, 2.0, 3.0]
+    victim, stalled = 2, 4  # stalled: alive, its averager receives, but it never sends a thing
+    deadline = 4.0
+    fields = group_fields(peers, weights, "fp32", group_id=b"killed".ljust(16, b"\0"), deadline_s=deadline)
+    # it joined the group (it is a member), then its machine died: the process and its daemon
+    peers[victim].proc.kill()
+    peers[victim].proc.join(5)
+    _kill(peers[victim].daemon_pid)
+    alive = [0, 1, 3]
+    for i in alive:
+        peers[i].cmd.put(("allreduce", fields, 200 + i, "honest"))
+    vectors = [make_vector(200 + i) for i in range(5)]
+    ref = partial_reference(vectors, weights, alive, "fp32")
+    bounds = slice_bounds(NUMEL, 5)
+    for i in alive:
+        kind, avg, dropped, fallback, _, elapsed, lines = peers[i].reply()
+        got = as_tensor(avg)
+        assert kind == "done" and dropped == (victim, stalled) and fallback == (victim, stalled)
+        assert bool(torch.isfinite(got).all())
+        # the dead one is unreachable at once; the stalled one is dropped at the slice deadline
+        assert deadline - 0.5 < elapsed < (1 + RESULT_GRACE) * deadline + 1.0
+        assert any("reason=timeout" in ln and f"peer={_peer_id(peers[stalled].public_key)}" in ln for ln in lines)
+        for j in alive:
+            s, e = bounds[j]
+            assert torch.equal(got[s:e], ref[j])  # re-weighted over the three that took part
+        for j in (victim, stalled):
+            s, e = bounds[j]
+            assert torch.equal(got[s:e], vectors[i][s:e])  # a dropped reducer's part: our own values
+
+
+def test_forged_misshapen_and_nan_slices_drop_their_sender(swarm):
+    peers = swarm(4)
+    weights = [1.0, 2.0, 3.0, 4.0]
+    bad = 3
+    fields = group_fields(peers, weights, "fp32", group_id=b"bad".ljust(16, b"\0"), deadline_s=6.0)
+    honest = [0, 1, 2]
+    peers[bad].cmd.put(("allreduce", fields, 303, "bad"))
+    assert peers[bad].reply()[0] == "sent"  # usually buffered by the others, who have not started yet
+    for i in honest:
+        peers[i].cmd.put(("allreduce", fields, 300 + i, "honest"))
+    vectors = [make_vector(300 + i) for i in range(4)]
+    ref = partial_reference(vectors, weights, honest, "fp32")
+    bounds = slice_bounds(NUMEL, 4)
+    bad_id = _peer_id(peers[bad].public_key)
+    reasons = {0: "VerificationError", 1: "shape", 2: "NaN"}
+    results = []
+    for i in honest:
+        kind, avg, dropped, fallback, _, _, lines = peers[i].reply()
+        assert kind == "done" and dropped == (bad,) and fallback == (bad,)
+        assert any(f"peer={bad_id}" in ln and reasons[i] in ln and "reason=" in ln for ln in lines), lines
+        got = as_tensor(avg)
+        results.append(got)
+        for j in honest:
+            s, e = bounds[j]
+            assert torch.equal(got[s:e], ref[j])  # the honest members' mean, without the bad one
+    s, e = bounds[bad]
+    assert all(torch.equal(a[:s], results[0][:s]) for a in results)  # identical outside the fallback part
+
+
+def _peer_id(public_key: bytes) -> str:
+    from protocol.identity import peer_id_from_public_key
+
+    return peer_id_from_public_key(public_key)
+
+
+def test_matchmaking_puts_five_peers_in_consistent_bounded_groups_and_a_lone_peer_gets_none(swarm):
+    peers = swarm(5)
+    keys = [p.public_key for p in peers]
+    weights = [1.0 + i for i in range(5)]
+    vectors = {keys[i]: make_vector(500 + i) for i in range(5)}
+    for round_, group_size in ((1, 3), (2, 2)):
+        for i, p in enumerate(peers):
+            p.cmd.put(("match", round_, group_size, 5.0, 500 + i, weights[i]))
+        replies = [p.reply() for p in peers]
+        groups: dict[bytes, tuple[bytes, ...]] = {}
+        alone = []
+        for i, (kind, fields, avg) in enumerate(replies):
+            assert kind == "matched"
+            if fields is None:
+                alone.append(i)
+                continue
+            assert keys[i] in fields["members"] and 2 <= len(fields["members"]) <= group_size
+            assert groups.setdefault(fields["group_id"], fields["members"]) == fields["members"]  # same order
+            members = fields["members"]
+            ref, _ = simulated_allreduce([vectors[k] for k in members], list(fields["weights"]), get_codec("fp32"))
+            assert torch.equal(as_tensor(avg), ref)  # and the group really averaged
+        in_groups = [k for m in groups.values() for k in m]
+        assert len(in_groups) == len(set(in_groups))  # nobody in two groups
+        assert sorted(in_groups + [keys[i] for i in alone]) == sorted(keys)  # everybody somewhere
+        assert len(alone) == (1 if group_size == 2 else 0)  # only the odd one out of 5 in pairs
+
+    peers[0].cmd.put(("match", 3, 2, 3.0, 500, weights[0]))  # nobody else is ready for round 3
+    kind, fields, _ = peers[0].reply()
+    assert kind == "matched" and fields is None
