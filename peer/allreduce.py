@@ -35,7 +35,9 @@ read is bounded by the same deadlines, so no round can hang on a stalled or kill
 Fallback. A part whose reducer was dropped (timed out, unreachable, or sent garbage) holds
 *this member's own value* in the returned average, and is listed in
 ``AllReduceOutcome.fallback_parts``. Those elements can differ between members; all other
-parts are identical on every member that got them.
+parts are identical on every member that got them. ``peer.node``, whose vectors are
+pseudo-gradients, replaces those parts with zeros (that slice of the global copy stays
+where it was), which is the same on every surviving member.
 
 Memory bounds. Frames may arrive before the local member has called ``allreduce`` for their
 group (it learned of the group a little later than the sender). They are verified (signature,

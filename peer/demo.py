@@ -37,7 +37,7 @@ def demo_manifest(peers: int, identity_path: Path) -> bytes:
     train = TrainConfig(model=model_preset("tiny"), data=DataConfig(source="stdlib"),
                         inner=InnerConfig(lr=3e-3, warmup_steps=20, total_steps=2000, batch_size=8),
                         sync=SyncConfig(inner_steps=20, fragments=2, overlap=1, alpha=0.5, codec="fp4"))
-    swarm = SwarmConfig(group_size=max(2, min(peers, 8)), matchmaking_timeout_s=8.0, allreduce_timeout_s=20.0,
+    swarm = SwarmConfig(group_size=max(2, min(peers, 8)), matchmaking_timeout_s=5.0, allreduce_timeout_s=20.0,
                         heartbeat_interval_s=3.0, heartbeat_ttl_s=10.0)
     manifest = RunManifest(name="local demo", description=f"{peers} peers on this machine", train=train,
                            swarm=swarm, creator=ident.public_key, created_at=time.time())
@@ -46,29 +46,35 @@ def demo_manifest(peers: int, identity_path: Path) -> bytes:
 
 class Demo:
     def __init__(self, peers: int, rounds: int | None, workdir: Path | None = None,
-                 on_event: Callable[[int, dict], None] | None = None):
+                 on_event: Callable[[int, dict], None] | None = None, checkpoint_every_s: float = 120.0,
+                 envs: dict[int, dict[str, str]] | None = None):
         if peers < 1:
             raise DemoError("a demo needs at least one peer")
-        self.peers, self.rounds = peers, rounds
+        self.peers, self.rounds, self.checkpoint_every_s = peers, rounds, checkpoint_every_s
+        self.envs = envs or {}  # per-peer extra environment (fault injection in tests)
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="swarmstream-demo-"))
         self.on_event = on_event or (lambda i, ev: None)
-        self.procs: list[subprocess.Popen] = []
+        self.procs: dict[int, subprocess.Popen] = {}
         self.readers: list[threading.Thread] = []
         self.summaries: dict[int, dict] = {}
         self.errors: dict[int, str] = {}
         self._listening = threading.Event()
         self._first_maddrs: list[str] = []
 
-    def _spawn(self, i: int, source: list[str]) -> subprocess.Popen:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # N peers share the cores
+    def _spawn(self, i: int, source: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+        # N peers share the cores: one torch thread each
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
         cmd = [sys.executable, "-m", "peer.node", *source, "--identity", str(self.dir / f"peer{i}.key"),
                "--data-dir", str(self.dir / f"peer{i}"), "--listen", LOCALHOST, "--device", "cpu"]
+        cmd += ["--checkpoint-every", str(self.checkpoint_every_s)]
+        if i < self.peers:  # the peers that start together wait for each other; later ones join a live run
+            cmd += ["--min-peers", str(self.peers)]
         if self.rounds is not None:
             cmd += ["--rounds", str(self.rounds)]
-        log = open(self.dir / f"peer{i}.log", "wb")
+        log = open(self.dir / f"peer{i}.log", "ab")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)  # Ctrl+C reaches the demo, which stops peers in order
-        self.procs.append(proc)
+        self.procs[i] = proc
         reader = threading.Thread(target=self._read, args=(i, proc), daemon=True)
         reader.start()
         self.readers.append(reader)
@@ -88,7 +94,7 @@ class Demo:
                 self.summaries[i] = ev
             self.on_event(i, ev)
         code = proc.wait()
-        if code != 0 and i not in self.summaries:
+        if code != 0 and i not in self.summaries and code != -signal.SIGKILL:
             self.errors[i] = f"peer {i} exited with code {code}; see {self.dir / f'peer{i}.log'}"
         if i == 0:
             self._listening.set()
@@ -97,38 +103,51 @@ class Demo:
         manifest_path = self.dir / "demo.swarmrun"
         manifest_path.write_bytes(demo_manifest(self.peers, self.dir / "peer0.key"))
         run_id = open_manifest(manifest_path.read_bytes()).run_id
-        self._spawn(0, ["--manifest", str(manifest_path)])
+        self._spawn(0, ["--manifest", str(manifest_path)], self.envs.get(0))
         if not self._listening.wait(90) or not self._first_maddrs:
             raise DemoError(self.errors.get(0, f"peer 0 did not start; see {self.dir / 'peer0.log'}"))
-        address = str(RunAddress(run_id, tuple(self._first_maddrs[:1])))
+        self.address = str(RunAddress(run_id, tuple(self._first_maddrs[:1])))
         for i in range(1, self.peers):
-            self._spawn(i, ["--address", address])
+            self._spawn(i, ["--address", self.address], self.envs.get(i))
+
+    def add_peer(self, i: int | None = None, env: dict[str, str] | None = None) -> int:
+        """Start peer ``i`` (a new one by default, or a killed one again with its identity and
+        checkpoints) joining by the run address."""
+        i = len(self.procs) if i is None else i
+        self.summaries.pop(i, None)
+        self._spawn(i, ["--address", self.address], env)
+        return i
+
+    def kill(self, i: int) -> None:
+        """kill -9 peer ``i`` and its libp2p daemon."""
+        os.killpg(self.procs[i].pid, signal.SIGKILL)
+        self.procs[i].wait()
 
     def wait(self) -> dict:
         """Wait for every peer to exit; return the one-line summary of the swarm."""
-        for p in self.procs:
+        for p in self.procs.values():
             p.wait()
         for reader in self.readers:  # each reads its peer's stdout to EOF
             reader.join(10)
         s = [self.summaries[i] for i in sorted(self.summaries)]
         digests = {x["global_digest"] for x in s}
         return {
-            "peers": self.peers, "finished": len(s), "rounds": min((x["rounds"] for x in s), default=0),
+            "peers": len(self.procs), "finished": len(s), "rounds": min((x["rounds"] for x in s), default=0),
             "heldout_loss": round(sum(x["heldout_loss"] for x in s) / len(s), 4) if s else None,
             "bytes_sent_per_peer": int(sum(x["bytes_sent"] for x in s) / len(s)) if s else 0,
             "syncs_alone": sum(x["syncs_alone"] for x in s),
-            "global_copies_agree": len(digests) == 1 and len(s) == self.peers,
+            "global_copies_agree": len(digests) == 1 and len(s) == len(self.procs),
             "errors": [self.errors[i] for i in sorted(self.errors)],
             "workdir": str(self.dir),
         }
 
     def stop(self, timeout: float = 20.0) -> None:
         """Ask every peer to finish (SIGINT), then kill what is left after ``timeout``."""
-        for p in self.procs:
+        for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
         deadline = time.monotonic() + timeout
-        for p in self.procs:
+        for p in self.procs.values():
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

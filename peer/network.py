@@ -24,6 +24,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils.serializer import MSGPackSerializer
 
+from peer.identity_store import load_or_create_identity
 from protocol.envelope import verify
 from protocol.errors import RemoteProtocolError
 
@@ -93,6 +94,9 @@ class Network:
 
     def __init__(self, cfg: NetworkConfig):
         self.cfg = cfg
+        # make sure the key is ours (Ed25519, 0600) before hivemind sees the path: given a
+        # missing file, hivemind would write an RSA key there, which could never sign our messages
+        self.identity = load_or_create_identity(cfg.identity_path)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="swarmstream-network", daemon=True)
         self._thread.start()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -33,14 +34,21 @@ from peer.data import ShardSampler, heldout_batches, load_corpus
 from peer.identity_store import load_or_create_identity
 from peer.matchmaking import Matchmaker
 from peer.model import Transformer
-from peer.network import Network, NetworkConfig
+from peer.network import Network, NetworkConfig, NetworkError
 from peer.presence import Presence
+from peer.statesync import StateServer, StateSyncError, apply, choose_digest, fetch_state, snapshot
 from peer.worker import Worker, evaluate, pick_device
+from protocol.butterfly import slice_bounds
+from protocol.identity import peer_id_from_public_key
 from protocol.manifest import SignedManifest, open_manifest
 from protocol.messages_swarm import Heartbeat, RunAdvertised
 from protocol import __version__
 
 log = logging.getLogger(__name__)
+
+# Fault injection for the swarm tests, e.g. "die-after-group:0:1": SIGKILL ourselves right after
+# joining the group of fragment 0, round 1, so the others see a member vanish mid all-reduce.
+_FAULT = os.environ.get("SWARMSTREAM_FAULT", "")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,7 +64,12 @@ class NodeConfig:
     max_rounds: int | None = None
     """Stop after this many rounds of every fragment (None: train until stopped)."""
     checkpoint_every_s: float = 120.0
+    """Write a checkpoint at the first full round after this many seconds (0: every full round)."""
     eval_batches: int = 8
+    min_peers: int = 1
+    """Wait (announced, not training) until this many peers of the run are live, so a swarm
+    that starts together averages from its first round. Gives up after ``min_peers_wait_s``."""
+    min_peers_wait_s: float = 120.0
 
 
 @dataclass(slots=True)
@@ -108,6 +121,11 @@ class Node:
             self.averager = Averager(self.net.p2p, self.identity, self.run_id)
             self.net.call(self.averager.start(), timeout=30)
             self.matchmaker = Matchmaker(self.net.dht, self.identity, self.run_id, swarm)
+            self.state_server = StateServer(self.net.p2p, self.identity, self.run_id,
+                                            chunk_bytes=swarm.state_chunk_bytes)
+            self.net.call(self.state_server.start(), timeout=30)
+            self.state_digest = b""
+            self._publishing = None
         except BaseException:
             self.net.close()
             raise
@@ -129,9 +147,12 @@ class Node:
             try:
                 rounds = load_checkpoint(ckpt, worker, sampler, run_id=self.run_id)
                 log.info("resumed from checkpoint path=%s step=%d rounds=%s", ckpt, worker.step, rounds)
+                self.on_event({"event": "resumed", "step": worker.step, "rounds": rounds})
             except CheckpointError as e:
                 raise SystemExit(f"swarmstream: error: {e}") from None
         self.stats.rounds = rounds
+        self._wait_for_peers(worker, swarm)
+        self._sync_state(worker, swarm)
         schedule = worker.schedule
         pending: dict[int, tuple[int, object, torch.Tensor]] = {}
         last_beat = last_ckpt = 0.0
@@ -152,13 +173,17 @@ class Node:
                     pending[p] = (r, self.net.submit(self._average(p, r, delta, weight)), delta)
                 for p in schedule.lands_after(step):
                     self._land(worker, p, pending.pop(p), swarm)
+                    if p == len(worker.outer) - 1:  # the last fragment landed: a full round
+                        self._round_complete(worker)
+                        if time.monotonic() - last_ckpt >= self.cfg.checkpoint_every_s:
+                            last_ckpt = time.monotonic()
+                            save_checkpoint(ckpt, worker, sampler, run_id=self.run_id, rounds=self.stats.rounds)
                 now = time.monotonic()
                 if now - last_beat >= swarm.heartbeat_interval_s:
                     last_beat = now
                     self._beat(worker, swarm)
-                if now - last_ckpt >= self.cfg.checkpoint_every_s:
-                    last_ckpt = now
-                    save_checkpoint(ckpt, worker, sampler, run_id=self.run_id, rounds=self.stats.rounds)
+                    if not pending:  # between rounds: nothing of ours is in flight
+                        self._check_agreement(worker, swarm)
                 if self.cfg.max_rounds is not None and min(self.stats.rounds) >= self.cfg.max_rounds:
                     break
             self.state = "finishing"
@@ -187,7 +212,18 @@ class Node:
         group = await self.matchmaker.form_group(fragment, round_, float(weight), delta.numel(), codec)
         if group is None:
             return None
-        return await self.averager.allreduce(group, delta, float(weight))
+        if _FAULT == f"die-after-group:{fragment}:{round_}":  # tests: vanish mid-round, as with kill -9
+            os.kill(os.getpid(), signal.SIGKILL)
+        outcome = await self.averager.allreduce(group, delta, float(weight))
+        # A slice whose reducer failed has no agreed mean. Keep that slice of the *global* copy
+        # where it was (a zero averaged delta): every surviving member does the same, so they
+        # still hold bit-identical global copies. (Using each member's own delta there would
+        # make them diverge, with no majority to repair from.)
+        bounds = slice_bounds(delta.numel(), len(group.members))
+        for part in outcome.fallback_parts:
+            start, end = bounds[part]
+            outcome.average[start:end] = 0.0
+        return outcome
 
     def _land(self, worker: Worker, fragment: int, item: tuple, swarm) -> None:
         round_, fut, delta = item
@@ -213,14 +249,99 @@ class Node:
         last_loss = self.stats.losses[-1][1] if self.stats.losses else float("nan")
         self.on_event({"event": "synced", "fragment": fragment, "round": round_, "step": worker.step,
                        "alone": outcome is None, "dropped": 0 if outcome is None else len(outcome.dropped),
+                       "digest": hashlib.sha256(worker.outer[fragment].global_flat.numpy().tobytes()).hexdigest()[:16],
                        "train_loss": round(last_loss, 4)})
         log.info("fragment synced fragment=%d round=%d alone=%s", fragment, round_, outcome is None)
 
+    def _wait_for_peers(self, worker: Worker, swarm) -> None:
+        if self.cfg.min_peers <= 1:
+            return
+        deadline = time.monotonic() + self.cfg.min_peers_wait_s
+        self._beat(worker, swarm)
+        last_beat = time.monotonic()
+        while not self.stop_event.is_set() and time.monotonic() < deadline:
+            live = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=30)
+            if len(live) >= self.cfg.min_peers:
+                return
+            if time.monotonic() - last_beat >= swarm.heartbeat_interval_s:
+                self._beat(worker, swarm)
+                last_beat = time.monotonic()
+            self.stop_event.wait(0.5)  # poll the DHT; Ctrl+C ends the wait at once
+        log.warning("started with fewer peers than min_peers=%d after %.0f s", self.cfg.min_peers,
+                    self.cfg.min_peers_wait_s)
+
+    def _check_agreement(self, worker: Worker, swarm) -> None:
+        """If more peers at our rounds vouch for another global state than for ours, we diverged
+        (we averaged alone, or with a minority): download theirs. Nobody diverges silently."""
+        if not self.state_digest:
+            return
+        peers = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=30)
+        mine = tuple(self.stats.rounds)
+        same = {k: hb.state_digest for k, hb in peers.items() if tuple(hb.rounds) == mine and hb.state_digest}
+        same[self.identity.public_key] = self.state_digest
+        choice = choose_digest(same)
+        if choice is None or choice[0] == self.state_digest:
+            return
+        digest, vouchers = choice
+        ours = sum(1 for d in same.values() if d == self.state_digest)
+        if len(vouchers) <= ours:
+            return
+        log.warning("global state differs from %d peers at rounds %s; downloading theirs", len(vouchers), mine)
+        self._download(worker, swarm, digest, vouchers)
+
+    def _sync_state(self, worker: Worker, swarm) -> None:
+        """Download the global state if the swarm is ahead of us (late join, resume, restart)."""
+        peers = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=60)
+        peers.pop(self.identity.public_key, None)
+        choice = choose_digest({k: hb.state_digest for k, hb in peers.items()})
+        ahead = [hb for hb in peers.values() if hb.rounds and min(hb.rounds) > min(self.stats.rounds, default=0)]
+        if choice is None:
+            if ahead:
+                log.warning("peers are ahead but no state is vouched for by enough of them; training from "
+                            "round %s", self.stats.rounds)
+            return
+        digest, vouchers = choice
+        if not any(peers[v].rounds and min(peers[v].rounds) > min(self.stats.rounds, default=0) for v in vouchers):
+            return  # we are as far as the state they vouch for
+        self._download(worker, swarm, digest, vouchers)
+
+    def _download(self, worker: Worker, swarm, digest: bytes, vouchers: list[bytes]) -> None:
+        previous = self.state
+        self.state = "syncing"
+        donors = [peer_id_from_public_key(v) for v in vouchers]
+        self.on_event({"event": "syncing_state", "donors": len(donors)})
+        t0 = time.perf_counter()
+        try:
+            state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, donors, digest,
+                                              chunk_timeout_s=swarm.state_chunk_timeout_s),
+                                  timeout=swarm.state_chunk_timeout_s * 8 + 60)
+        except (StateSyncError, NetworkError) as e:
+            log.warning("state sync failed reason=%s; training from round %s", e, self.stats.rounds)
+            self.state = previous if previous != "joining" else "training"
+            return
+        apply(worker, state)
+        self.stats.rounds = list(state.rounds)
+        self.state_digest = digest
+        self.state = previous if previous != "joining" else "training"
+        self.on_event({"event": "state_synced", "rounds": list(state.rounds), "step": state.step,
+                       "seconds": round(time.perf_counter() - t0, 3)})
+
+    def _round_complete(self, worker: Worker) -> None:
+        """Every fragment has landed the same round: serve this state and vouch for it."""
+        state = snapshot(worker, self.stats.rounds)
+        self._publishing = self.net.submit(self.state_server.publish(state))
+
     def _beat(self, worker: Worker, swarm) -> None:
+        if self._publishing is not None and self._publishing.done():
+            try:
+                self.state_digest = self._publishing.result()
+            except Exception as e:
+                log.warning("could not serve the global state reason=%r", e)
+            self._publishing = None
         now = time.time()
         tput = worker.tokens / max(self.stats.inner_s, 1e-9)
         hb = Heartbeat(run_id=self.run_id, sent_at=now, state=self.state, step=worker.step, tokens=worker.tokens,
-                       tokens_per_s=tput, rounds=tuple(self.stats.rounds), state_digest=b"", reachable=True,
+                       tokens_per_s=tput, rounds=tuple(self.stats.rounds), state_digest=self.state_digest, reachable=True,
                        maddrs=tuple(self.net.visible_maddrs())[:8], client=f"swarmstream/{__version__}",
                        device=str(worker.device))
         self.net.submit(self.presence.announce(hb, swarm.heartbeat_ttl_s))
@@ -232,10 +353,11 @@ class Node:
         self.stop_event.set()
 
     def close(self) -> None:
-        try:
-            self.net.call(self.averager.shutdown(), timeout=5)
-        except Exception as e:
-            log.warning("averager shutdown was not clean reason=%r", e)
+        for part in (self.averager, self.state_server):
+            try:
+                self.net.call(part.shutdown(), timeout=5)
+            except Exception as e:
+                log.warning("shutdown was not clean part=%s reason=%r", type(part).__name__, e)
         self.net.close()
 
 
@@ -269,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--initial-peers", nargs="*", default=[])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--rounds", type=int)
+    ap.add_argument("--min-peers", type=int, default=1, help="wait until this many peers are live")
+    ap.add_argument("--checkpoint-every", type=float, default=120.0, help="seconds (0: every full round)")
     ap.add_argument("--log-level")
     args = ap.parse_args(argv)
     init_logging(args.log_level)
@@ -280,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         addr = parse_run_address(args.address)
         run_id, initial = addr.run_id, initial + list(addr.bootstrap)
     cfg = NodeConfig(identity_path=args.identity, data_dir=args.data_dir, host_maddrs=(args.listen,),
-                     initial_peers=tuple(initial), device=args.device, max_rounds=args.rounds)
+                     initial_peers=tuple(initial), device=args.device, max_rounds=args.rounds,
+                     checkpoint_every_s=args.checkpoint_every, min_peers=args.min_peers)
     node = Node(cfg, manifest_bytes=manifest_bytes, run_id=run_id,
                 on_event=lambda ev: print(json.dumps(ev), flush=True))
     try:

@@ -1,0 +1,150 @@
+"""Whole nodes in a real swarm: N `python -m peer.node` processes on 127.0.0.1 (via peer.demo)."""
+
+import math
+import os
+import queue
+import signal
+import time
+
+import pytest
+
+from peer.demo import Demo, demo_manifest
+from peer.identity_store import load_or_create_identity
+from peer.network import Network, NetworkConfig
+from peer.presence import Presence
+from peer.simulation import SimulationConfig, run_simulation
+from protocol.identity import public_key_from_peer_id
+from protocol.manifest import open_manifest
+
+pytestmark = pytest.mark.swarm
+
+
+class Events:
+    """Every JSON line the demo's peers print, as (peer index, event) on a queue."""
+
+    def __init__(self):
+        self.q: queue.Queue = queue.Queue()
+        self.seen: list[tuple[int, dict]] = []
+
+    def __call__(self, i: int, ev: dict) -> None:
+        self.q.put((i, ev))
+
+    def wait_for(self, pred, timeout: float = 120.0) -> tuple[int, dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no matching event within {timeout} s; saw {self.seen[-5:]}")
+            try:
+                item = self.q.get(timeout=left)
+            except queue.Empty:
+                continue
+            self.seen.append(item)
+            if pred(*item):
+                return item
+
+    def drain(self) -> list[tuple[int, dict]]:
+        while True:
+            try:
+                self.seen.append(self.q.get_nowait())
+            except queue.Empty:
+                return self.seen
+
+
+@pytest.fixture
+def demos():
+    started: list[Demo] = []
+    yield started
+    for d in started:
+        for p in d.procs.values():
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the node and its libp2p daemon
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def synced_digests(events) -> dict[tuple[int, int], set[str]]:
+    out: dict[tuple[int, int], set[str]] = {}
+    for _, ev in events:
+        if ev.get("event") == "synced" and not ev["alone"]:
+            out.setdefault((ev["fragment"], ev["round"]), set()).add(ev["digest"])
+    return out
+
+
+def test_four_peers_agree_bit_for_bit_every_round_and_track_the_simulation(tmp_path, demos):
+    events = Events()
+    demo = Demo(4, rounds=3, workdir=tmp_path, on_event=events)
+    demos.append(demo)
+    demo.start()
+    summary = demo.wait()
+    assert summary["errors"] == [] and summary["finished"] == 4 and summary["rounds"] >= 3
+    assert summary["syncs_alone"] == 0, "every sync found its group"
+    assert summary["global_copies_agree"]
+    per_round = synced_digests(events.drain())
+    assert {(f, r) for f in (0, 1) for r in range(3)} <= per_round.keys()
+    assert all(len(d) == 1 for d in per_round.values()), "after each round every peer holds the same fragment"
+
+    train = open_manifest((tmp_path / "demo.swarmrun").read_bytes()).manifest.train
+    steps = max(s["steps"] for s in demo.summaries.values())
+    sim = run_simulation(SimulationConfig(train=train, workers=4, steps=steps, eval_batches=8))
+    swarm_loss = summary["heldout_loss"]
+    print(f"held-out loss after {steps} steps: swarm {swarm_loss:.4f}, simulate {sim.heldout_loss:.4f}, "
+          f"gap {swarm_loss - sim.heldout_loss:+.4f}")
+    assert swarm_loss < math.log(256) - 1.0, "the swarm learned"
+    assert abs(swarm_loss - sim.heldout_loss) < 0.35
+
+
+def test_a_peer_killed_mid_allreduce_is_dropped_expires_and_resumes_from_its_checkpoint(tmp_path, demos):
+    events = Events()
+    demo = Demo(3, rounds=10, workdir=tmp_path, on_event=events, checkpoint_every_s=0,
+                envs={2: {"SWARMSTREAM_FAULT": "die-after-group:0:1"}})
+    demos.append(demo)
+    demo.start()
+    _, listening = events.wait_for(lambda i, ev: i == 2 and ev.get("event") == "listening")
+    victim = public_key_from_peer_id(listening["peer"])
+    assert demo.procs[2].wait(120) == -signal.SIGKILL  # it vanished right after its group formed
+
+    # the others finish that round with the victim dropped, and keep training
+    i, ev = events.wait_for(lambda i, ev: ev.get("event") == "synced" and ev["fragment"] == 0 and ev["round"] == 1)
+    assert i in (0, 1) and ev["dropped"] >= 1 and math.isfinite(ev["train_loss"])
+    events.wait_for(lambda i, ev: ev.get("event") == "synced" and ev["round"] == 2 and i in (0, 1))
+
+    # its heartbeat expires (the demo run's heartbeat_ttl_s is 10 s)
+    key = tmp_path / "observer.key"
+    with Network(NetworkConfig(identity_path=str(key), host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+                               initial_peers=(demo.address.split("@")[1],))) as net:
+        pres = Presence(net.dht, load_or_create_identity(key))
+        run_id = open_manifest((tmp_path / "demo.swarmrun").read_bytes()).run_id
+        deadline = time.monotonic() + 40
+        while victim in net.call(pres.peers(run_id, ttl_s=10), timeout=30):
+            assert time.monotonic() < deadline, "the killed peer's heartbeat did not expire"
+            time.sleep(1)  # polling the DHT for a condition, bounded by the deadline
+
+    # restarted with the same identity and data dir, it resumes from its checkpoint and rejoins
+    demo.add_peer(2)
+    _, resumed = events.wait_for(lambda i, ev: i == 2 and ev.get("event") == "resumed")
+    assert resumed["step"] > 0 and min(resumed["rounds"]) >= 1
+    events.wait_for(lambda i, ev: i == 2 and ev.get("event") in ("state_synced", "synced"))
+    summary = demo.wait()
+    assert set(demo.summaries) == {0, 1, 2}
+    survivors = [demo.summaries[i] for i in (0, 1)]
+    assert survivors[0]["global_digest"] == survivors[1]["global_digest"]
+    assert all(s["dropped_peers"] >= 1 and math.isfinite(s["heldout_loss"]) for s in survivors)
+    assert demo.summaries[2]["syncs"] > demo.summaries[2]["syncs_alone"], "the restarted peer averaged again"
+    assert summary["errors"] == []
+
+
+def test_a_late_joiner_downloads_the_state_and_then_matches_the_others_bit_for_bit(tmp_path, demos):
+    events = Events()
+    demo = Demo(3, rounds=6, workdir=tmp_path, on_event=events)
+    demos.append(demo)
+    demo.start()
+    events.wait_for(lambda i, ev: i == 0 and ev.get("event") == "synced" and ev["fragment"] == 1 and ev["round"] == 1)
+    demo.add_peer()  # peer 3 joins after 2 full rounds
+    _, synced = events.wait_for(lambda i, ev: i == 3 and ev.get("event") == "state_synced")
+    assert min(synced["rounds"]) >= 2
+    summary = demo.wait()
+    assert summary["errors"] == [] and set(demo.summaries) == {0, 1, 2, 3}
+    digests = {i: s["global_digest"] for i, s in demo.summaries.items()}
+    assert len(set(digests.values())) == 1, digests
