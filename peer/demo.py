@@ -37,7 +37,7 @@ def demo_manifest(peers: int, identity_path: Path) -> bytes:
     train = TrainConfig(model=model_preset("tiny"), data=DataConfig(source="stdlib"),
                         inner=InnerConfig(lr=3e-3, warmup_steps=20, total_steps=2000, batch_size=8),
                         sync=SyncConfig(inner_steps=20, fragments=2, overlap=1, alpha=0.5, codec="fp4"))
-    swarm = SwarmConfig(group_size=max(2, min(peers, 8)), matchmaking_timeout_s=5.0, allreduce_timeout_s=20.0,
+    swarm = SwarmConfig(group_size=8, matchmaking_timeout_s=5.0, allreduce_timeout_s=20.0,
                         heartbeat_interval_s=3.0, heartbeat_ttl_s=10.0)
     manifest = RunManifest(name="local demo", description=f"{peers} peers on this machine", train=train,
                            swarm=swarm, creator=ident.public_key, created_at=time.time())

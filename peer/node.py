@@ -36,7 +36,8 @@ from peer.matchmaking import Matchmaker
 from peer.model import Transformer
 from peer.network import Network, NetworkConfig, NetworkError
 from peer.presence import Presence
-from peer.statesync import StateServer, StateSyncError, apply, choose_digest, fetch_state, snapshot
+from peer.statesync import (StateServer, StateSyncError, apply, choose_digest, current_indexes, fetch_state,
+                            snapshot)
 from peer.worker import Worker, evaluate, pick_device
 from protocol.butterfly import slice_bounds
 from protocol.identity import peer_id_from_public_key
@@ -126,6 +127,8 @@ class Node:
             self.net.call(self.state_server.start(), timeout=30)
             self.state_digest = b""
             self._publishing = None
+            self._alone_this_round = False  # averaged alone since our last full round
+            self._repair_due = False  # the last full round had a lone sync: compare with the majority
         except BaseException:
             self.net.close()
             raise
@@ -152,7 +155,7 @@ class Node:
                 raise SystemExit(f"swarmstream: error: {e}") from None
         self.stats.rounds = rounds
         self._wait_for_peers(worker, swarm)
-        self._sync_state(worker, swarm)
+        self._check_agreement(worker, swarm, joining=True)  # late join, restart: catch up first
         schedule = worker.schedule
         pending: dict[int, tuple[int, object, torch.Tensor]] = {}
         last_beat = last_ckpt = 0.0
@@ -173,8 +176,9 @@ class Node:
                     pending[p] = (r, self.net.submit(self._average(p, r, delta, weight)), delta)
                 for p in schedule.lands_after(step):
                     self._land(worker, p, pending.pop(p), swarm)
+                    self._publish_state(worker)
                     if p == len(worker.outer) - 1:  # the last fragment landed: a full round
-                        self._round_complete(worker)
+                        self._repair_due, self._alone_this_round = self._alone_this_round, False
                         if time.monotonic() - last_ckpt >= self.cfg.checkpoint_every_s:
                             last_ckpt = time.monotonic()
                             save_checkpoint(ckpt, worker, sampler, run_id=self.run_id, rounds=self.stats.rounds)
@@ -237,6 +241,7 @@ class Node:
         self.stats.syncs += 1
         if outcome is None:
             self.stats.syncs_alone += 1
+            self._alone_this_round = True
             avg = delta
         else:
             avg = outcome.average
@@ -270,49 +275,59 @@ class Node:
         log.warning("started with fewer peers than min_peers=%d after %.0f s", self.cfg.min_peers,
                     self.cfg.min_peers_wait_s)
 
-    def _check_agreement(self, worker: Worker, swarm) -> None:
-        """If more peers at our rounds vouch for another global state than for ours, we diverged
-        (we averaged alone, or with a minority): download theirs. Nobody diverges silently."""
-        if not self.state_digest:
-            return
+    def _check_agreement(self, worker: Worker, swarm, *, joining: bool = False) -> None:
+        """Catch up or repair. Download the state that peers vouch for if it is ahead of ours
+        (when joining, by any round; while training, by two or more, since peers in lockstep
+        differ by one for a moment after each round), then start our schedule where they are.
+        Or, if at our rounds more peers vouch for another state than for ours (we averaged
+        alone or with a minority), download theirs and keep our step. Nobody diverges silently."""
         peers = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=30)
-        mine = tuple(self.stats.rounds)
-        same = {k: hb.state_digest for k, hb in peers.items() if tuple(hb.rounds) == mine and hb.state_digest}
+        peers.pop(self.identity.public_key, None)
+        mine = min(self.stats.rounds, default=0)
+        lag = 1 if joining else 2
+        ahead = {k: hb.state_digest for k, hb in peers.items()
+                 if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
+        choice = choose_digest(ahead)
+        if choice is not None:
+            log.info("peers are ahead of round %d; downloading their state", mine)
+            self._download(worker, swarm, choice[1], peers, fast_forward=True)
+            return
+        if not (self.state_digest and self._repair_due):
+            return  # peers in other groups differ from us by design; their averages mix next rounds
+        same = {k: hb.state_digest for k, hb in peers.items()
+                if hb.state_digest and tuple(hb.rounds) == tuple(self.stats.rounds)}
         same[self.identity.public_key] = self.state_digest
         choice = choose_digest(same)
         if choice is None or choice[0] == self.state_digest:
             return
-        digest, vouchers = choice
         ours = sum(1 for d in same.values() if d == self.state_digest)
-        if len(vouchers) <= ours:
-            return
-        log.warning("global state differs from %d peers at rounds %s; downloading theirs", len(vouchers), mine)
-        self._download(worker, swarm, digest, vouchers)
+        self._repair_due = False
+        if len(choice[1]) > ours:
+            log.warning("global state differs from %d peers at rounds %s; downloading theirs",
+                        len(choice[1]), self.stats.rounds)
+            self._download(worker, swarm, choice[1], peers, fast_forward=False)
 
-    def _sync_state(self, worker: Worker, swarm) -> None:
-        """Download the global state if the swarm is ahead of us (late join, resume, restart)."""
-        peers = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=60)
-        peers.pop(self.identity.public_key, None)
-        choice = choose_digest({k: hb.state_digest for k, hb in peers.items()})
-        ahead = [hb for hb in peers.values() if hb.rounds and min(hb.rounds) > min(self.stats.rounds, default=0)]
-        if choice is None:
-            if ahead:
-                log.warning("peers are ahead but no state is vouched for by enough of them; training from "
-                            "round %s", self.stats.rounds)
-            return
-        digest, vouchers = choice
-        if not any(peers[v].rounds and min(peers[v].rounds) > min(self.stats.rounds, default=0) for v in vouchers):
-            return  # we are as far as the state they vouch for
-        self._download(worker, swarm, digest, vouchers)
-
-    def _download(self, worker: Worker, swarm, digest: bytes, vouchers: list[bytes]) -> None:
+    def _download(self, worker: Worker, swarm, vouchers: list[bytes], peers: dict, *, fast_forward: bool) -> None:
+        """Download the global state that the most of ``vouchers`` serve *now* (two or more of
+        them when two or more answer) from all that serve it, and load it."""
         previous = self.state
         self.state = "syncing"
-        donors = [peer_id_from_public_key(v) for v in vouchers]
-        self.on_event({"event": "syncing_state", "donors": len(donors)})
         t0 = time.perf_counter()
         try:
-            state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, donors, digest,
+            donors = [peer_id_from_public_key(v) for v in vouchers]
+            served = self.net.call(current_indexes(self.net.p2p, self.identity, self.run_id, donors,
+                                                   timeout_s=swarm.state_chunk_timeout_s),
+                                   timeout=swarm.state_chunk_timeout_s + 10)
+            by_digest: dict[bytes, list[str]] = {}
+            for donor, (digest, index) in served.items():
+                by_digest.setdefault(digest, []).append(donor)
+            if not by_digest:
+                raise StateSyncError(f"none of {len(donors)} donors answered with a state index")
+            digest, serving = max(by_digest.items(), key=lambda kv: (len(kv[1]), min(served[kv[1][0]][1].rounds)))
+            if len(serving) < min(2, len(served)):
+                raise StateSyncError(f"donors disagree on the state ({len(by_digest)} different ones); try later")
+            self.on_event({"event": "syncing_state", "donors": len(serving)})
+            state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, serving, digest,
                                               chunk_timeout_s=swarm.state_chunk_timeout_s),
                                   timeout=swarm.state_chunk_timeout_s * 8 + 60)
         except (StateSyncError, NetworkError) as e:
@@ -322,12 +337,25 @@ class Node:
         apply(worker, state)
         self.stats.rounds = list(state.rounds)
         self.state_digest = digest
+        if fast_forward:
+            # The donors published this state at their last landing and train on toward the next
+            # sync its rounds imply. Start right before it, so our next step meets them in that
+            # round's matchmaking; the steps skipped only mean our first contribution covers
+            # fewer tokens, and weighs less.
+            sched = worker.schedule
+            next_sync = min(sched.offset(p) + r * sched.inner_steps for p, r in enumerate(state.rounds))
+            worker.step = max(state.step, next_sync - 1)
+        else:
+            worker.step = max(worker.step, state.step)
         self.state = previous if previous != "joining" else "training"
-        self.on_event({"event": "state_synced", "rounds": list(state.rounds), "step": state.step,
+        self.on_event({"event": "state_synced", "rounds": list(state.rounds), "step": worker.step,
                        "seconds": round(time.perf_counter() - t0, 3)})
 
-    def _round_complete(self, worker: Worker) -> None:
-        """Every fragment has landed the same round: serve this state and vouch for it."""
+    def _publish_state(self, worker: Worker) -> None:
+        """Serve the global state as of this landing and vouch for it. Peers that averaged in the
+        same groups land the same fragments in the same order, so they serve identical states
+        (and digests) at each landing; a joiner gets the swarm's newest state, not the last
+        full round's."""
         state = snapshot(worker, self.stats.rounds)
         self._publishing = self.net.submit(self.state_server.publish(state))
 

@@ -607,6 +607,35 @@ class _Donors:
         return "; ".join(f"{_short(p)}: {r}" for p, r in self.stats.dropped.items())
 
 
+async def current_indexes(p2p: P2P, identity: Identity, run_id: bytes, donors: list[str], *,
+                          timeout_s: float) -> dict[str, tuple[bytes, StateIndex]]:
+    """Ask each donor, concurrently, for the index of the state it serves now: peer ID ->
+    (digest, index), for the donors that answered with a valid signed index in time.
+
+    Heartbeats vouch for a digest with a delay of up to one heartbeat interval, and a donor
+    keeps only its two latest states; in a swarm whose rounds are shorter than that, the
+    vouched digest is often gone. The signed indexes the donors return are announcements
+    too, so a digest served by two or more of them is as well vouched for."""
+    name = handler_name(run_id)
+
+    async def ask(donor: str) -> tuple[str, tuple[bytes, StateIndex] | None]:
+        session = None
+        try:
+            session = await _Session.open(p2p, donor, name, timeout_s)
+            v = await session.ask(RequestStateIndex(run_id=run_id), identity, StateIndex,
+                                  limit=MAX_HEAD_BYTES + _ENVELOPE_OVERHEAD, timeout_s=timeout_s)
+            return donor, (sha256(v.body), v.message)
+        except (_Busy, _DonorFailed) as e:
+            log.info("no state index from donor peer=%s reason=%s", _short(donor), e)
+            return donor, None
+        finally:
+            if session is not None:
+                session.close()
+
+    answers = await asyncio.gather(*(ask(d) for d in dict.fromkeys(donors)))
+    return {d: a for d, a in answers if a is not None}
+
+
 async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[str], digest: bytes, *,
                       chunk_timeout_s: float, parallel: int = 4, progress: Callable[[int, int], None] | None = None,
                       stats: FetchStats | None = None) -> GlobalState:

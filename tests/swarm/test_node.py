@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from peer.demo import Demo, demo_manifest
+from peer.demo import Demo
 from peer.identity_store import load_or_create_identity
 from peer.network import Network, NetworkConfig
 from peer.presence import Presence
