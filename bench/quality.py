@@ -1,6 +1,6 @@
 """Data-parallel vs DiLoCo vs Streaming DiLoCo at equal tokens, on the `stdlib` corpus.
 
-    python bench/quality.py            # default: 4 workers x 800 steps, ~15 min on 2 cores
+    python bench/quality.py            # default: 4 workers x 700 steps, ~13 min on a quiet 2-core machine
     python bench/quality.py --quick    # 4 workers x 120 steps, H=20, ~2-3 min
     python bench/quality.py --out results.json
 
@@ -42,7 +42,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="120 steps, H=20: the CI-sized run (< 3 min)")
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--steps", type=int, help="inner steps per worker (default 800, quick 120)")
+    ap.add_argument("--steps", type=int, help="inner steps per worker (default 700, quick 120)")
     ap.add_argument("-H", "--inner-steps", type=int, help="H (default 50, quick 20)")
     ap.add_argument("-P", "--fragments", type=int, default=2)
     ap.add_argument("--preset", default="tiny")
@@ -52,7 +52,7 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated row numbers to run (1-based), e.g. 1,2")
     ap.add_argument("--out", help="JSON path (default bench/results/quality.json)")
     args = ap.parse_args()
-    steps = args.steps or (120 if args.quick else 800)
+    steps = args.steps or (120 if args.quick else 700)
     H = args.inner_steps or (20 if args.quick else 50)
 
     model = model_preset(args.preset)
