@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -395,7 +396,7 @@ def install_signal_handlers(node: Node) -> None:
     def handler(signum, frame):
         if node.stop_event.is_set():
             raise KeyboardInterrupt
-        print("swarmstream: stopping after this step (Ctrl+C again to quit now)", flush=True)
+        print("swarmstream: stopping after this step (Ctrl+C again to quit now)", file=sys.stderr, flush=True)
         node.stop()
 
     signal.signal(signal.SIGINT, handler)

@@ -148,3 +148,23 @@ def test_a_late_joiner_downloads_the_state_and_then_matches_the_others_bit_for_b
     assert summary["errors"] == [] and set(demo.summaries) == {0, 1, 2, 3}
     digests = {i: s["global_digest"] for i, s in demo.summaries.items()}
     assert len(set(digests.values())) == 1, digests
+
+
+def test_ctrl_c_stops_a_node_within_seconds_with_its_work_saved_and_no_daemon_left(tmp_path, demos):
+    events = Events()
+    demo = Demo(2, rounds=None, workdir=tmp_path, on_event=events)
+    demos.append(demo)
+    demo.start()
+    events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "synced")
+    node = demo.procs[1]
+    t0 = time.monotonic()
+    node.send_signal(signal.SIGINT)
+    assert node.wait(30) == 0
+    elapsed = time.monotonic() - t0
+    print(f"node stopped {elapsed:.1f} s after Ctrl+C")
+    assert elapsed < 20
+    _, summary = events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "summary", timeout=10)
+    assert summary["steps"] > 0 and math.isfinite(summary["heldout_loss"])
+    with pytest.raises(ProcessLookupError):  # nothing of that node's process group is left: no p2pd
+        os.killpg(node.pid, 0)
+    assert list(tmp_path.glob("peer1/*/checkpoint/meta.json")), "the node checkpointed what it trained"
