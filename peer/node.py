@@ -37,8 +37,8 @@ from peer.matchmaking import Matchmaker
 from peer.model import Transformer
 from peer.network import Network, NetworkConfig, NetworkError
 from peer.presence import Presence
-from peer.statesync import (StateServer, StateSyncError, apply, choose_digest, current_indexes, fetch_state,
-                            snapshot)
+from peer.globalstate import StateSyncError, apply, choose_digest, snapshot
+from peer.statesync import StateServer, current_indexes, fetch_state
 from peer.worker import Worker, evaluate, pick_device
 from protocol.butterfly import slice_bounds
 from protocol.identity import peer_id_from_public_key

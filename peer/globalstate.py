@@ -1,0 +1,225 @@
+"""The run's global state as data: what a joiner downloads, and its byte layout.
+
+``GlobalState`` holds every fragment's global fp32 copy and outer momentum, with the round
+counters and step. ``snapshot`` / ``apply`` move it out of and into a ``peer.worker.Worker``;
+``encode_state`` / ``decode_state`` give the deterministic byte layout and its ``StateIndex``
+(layout described in ``peer.statesync``), whose digest heartbeats vouch for; ``choose_digest``
+picks the digest most peers vouch for. No I/O here; ``peer.statesync`` moves the bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from protocol.messages import MAX_FRAGMENTS, MAX_HEAD_BYTES, MAX_STATE_CHUNKS, encode
+from protocol.messages import digest as sha256
+from protocol.messages_swarm import StateIndex
+
+FORMAT = "swarmstream-tensors/1"
+"""``StateIndex.format`` of the blob layout described in peer/statesync.py's docstring."""
+MAX_CHUNK_BYTES = 64 << 20
+"""Largest chunk a donor sends (a chunk is one message in memory on both sides)."""
+_ALIGN = 8
+_NAME = re.compile(r"(global|outer_momentum)/(0|[1-9][0-9]{0,3})")
+_MAX_NUMEL = 1 << 40
+
+
+class StateSyncError(Exception):
+    """The global state could not be fetched, decoded or applied; the message says why."""
+
+
+
+# ---------------------------------------------------------------------------------------
+# The state and the worker.
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalState:
+    tensors: dict[str, torch.Tensor]
+    """``global/<p>`` and ``outer_momentum/<p>``: (N_p,) fp32 CPU tensors."""
+    rounds: tuple[int, ...]
+    """Completed outer rounds per fragment."""
+    step: int
+    """Inner steps of the run at this state."""
+
+
+def snapshot(worker: Any, rounds: Sequence[int] | None = None) -> GlobalState:
+    """A copy of ``worker``'s global state (call from the thread that trains it).
+
+    ``rounds`` defaults to ``worker.rounds``; a Worker without that attribute must be given it."""
+    if not worker.outer:
+        raise StateSyncError("state sync needs sync.method='diloco' (a ddp worker has no global copy)")
+    if rounds is None:
+        rounds = getattr(worker, "rounds", None)
+        if rounds is None:
+            raise StateSyncError("snapshot needs the rounds per fragment (pass rounds=...)")
+    rounds = tuple(int(r) for r in rounds)
+    if len(rounds) != len(worker.outer):
+        raise StateSyncError(f"{len(rounds)} round counters for {len(worker.outer)} fragments")
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for p, frag in enumerate(worker.outer):
+            tensors[f"global/{p}"] = frag.global_flat.detach().clone()
+            buf = frag.opt.state.get(frag.global_flat, {}).get("momentum_buffer")
+            if buf is not None:
+                tensors[f"outer_momentum/{p}"] = buf.detach().float().cpu().clone()
+    return GlobalState(tensors=tensors, rounds=rounds, step=int(worker.step))
+
+
+def apply(worker: Any, state: GlobalState) -> None:
+    """Load ``state`` into ``worker``: global copies, outer momentum (cleared where the state has
+    none), local weights := global copy, ``step``, and ``rounds`` if the worker keeps them.
+    Everything is checked first; on a mismatch StateSyncError is raised and nothing changed."""
+    n = len(worker.outer)
+    expected = {f"global/{p}": frag.numel for p, frag in enumerate(worker.outer)}
+    missing = sorted(k for k in expected if k not in state.tensors)
+    allowed = set(expected) | {f"outer_momentum/{p}" for p in range(n)}
+    extra = sorted(k for k in state.tensors if k not in allowed)
+    if missing or extra:
+        raise StateSyncError(f"the fetched state does not fit this model (missing {missing[:3]}, "
+                             f"unexpected {extra[:3]}); is the run's model config the same?")
+    for name, t in state.tensors.items():
+        numel = expected[name.replace("outer_momentum/", "global/")]
+        if t.dtype != torch.float32 or tuple(t.shape) != (numel,):
+            raise StateSyncError(f"the fetched state's {name} is {t.dtype} {tuple(t.shape)}, this model needs "
+                                 f"torch.float32 ({numel},); is the run's model config the same?")
+    if len(state.rounds) != n:
+        raise StateSyncError(f"the fetched state has {len(state.rounds)} round counters for {n} fragments")
+    # everything checked: now change the worker
+    with torch.no_grad():
+        for p, frag in enumerate(worker.outer):
+            frag.global_flat.copy_(state.tensors[f"global/{p}"])
+            mom = state.tensors.get(f"outer_momentum/{p}")
+            if mom is None:
+                frag.opt.state.pop(frag.global_flat, None)
+            else:
+                frag.opt.state[frag.global_flat] = {"momentum_buffer": mom.detach().clone()}
+            frag.merge_into_local(0.0)
+    worker.step = int(state.step)
+    # the local weights are now the global copy: nothing trained since is in them
+    worker.tokens_since_sync = [0] * n
+    if hasattr(worker, "rounds"):
+        worker.rounds = list(state.rounds)
+
+
+# ---------------------------------------------------------------------------------------
+# Serialization (pure).
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def encode_state(state: GlobalState, run_id: bytes, chunk_bytes: int) -> tuple[StateIndex, bytearray]:
+    """The state's index and blob (see the module docstring); deterministic. Costs about one
+    SHA-256 pass and one copy of the state (~1 s per GB)."""
+    names = sorted(state.tensors)
+    arrays = []
+    for name in names:
+        t = state.tensors[name]
+        if not _NAME.fullmatch(name) or t.dtype != torch.float32 or t.dim() != 1:
+            raise StateSyncError(f"cannot serialize {name!r} ({t.dtype}, {t.dim()}-D): state tensors are "
+                                 "global/<p> or outer_momentum/<p>, 1-D fp32")
+        arrays.append(t.detach().cpu().contiguous().numpy().astype("<f4", copy=False))
+    header = msgpack.packb([[name, int(a.size)] for name, a in zip(names, arrays)], use_bin_type=True)
+    start = _aligned(4 + len(header))
+    total = start + sum(a.nbytes for a in arrays)
+    blob = bytearray(total)
+    blob[:4] = len(header).to_bytes(4, "big")
+    blob[4:4 + len(header)] = header
+    pos = start
+    for a in arrays:
+        blob[pos:pos + a.nbytes] = memoryview(a).cast("B")
+        pos += a.nbytes
+    # more chunks than an index may list: grow them, the same way on every peer
+    size = max(chunk_bytes, -(-total // MAX_STATE_CHUNKS))
+    if size > MAX_CHUNK_BYTES:
+        raise StateSyncError(f"a state of {total} bytes is too large to sync (over {MAX_STATE_CHUNKS} chunks "
+                             f"of {MAX_CHUNK_BYTES} bytes)")
+    view = memoryview(blob)
+    digests = tuple(sha256(view[o:o + size]) for o in range(0, total, size))
+    index = StateIndex(run_id=run_id, step=int(state.step), rounds=tuple(state.rounds), format=FORMAT,
+                       total_bytes=total, chunk_bytes=size, chunk_digests=digests)
+    return index, blob
+
+
+def index_digest(index: StateIndex) -> bytes:
+    """The digest heartbeats vouch for: SHA-256 of the encoded index."""
+    return sha256(encode(index))
+
+
+def decode_state(index: StateIndex, blob: bytes | bytearray) -> GlobalState:
+    """Parse a blob that matches ``index``; raises StateSyncError on anything malformed.
+    The tensors are views into ``blob`` when it is a bytearray (no copy)."""
+    if not isinstance(blob, bytearray):
+        blob = bytearray(blob)  # the tensors are views into it, and torch wants writable memory
+    view = memoryview(blob)
+    if index.format != FORMAT:
+        raise StateSyncError(f"the state is in format {index.format!r}; this client reads {FORMAT!r} "
+                             "(upgrade swarmstream)")
+    if len(view) != index.total_bytes or len(view) < 4:
+        raise StateSyncError(f"the state blob is {len(view)} bytes, its index says {index.total_bytes}")
+    head_len = int.from_bytes(view[:4], "big")
+    if 4 + head_len > len(view) or head_len > MAX_HEAD_BYTES:
+        raise StateSyncError(f"the state header of {head_len} bytes does not fit the blob")
+    try:
+        header = msgpack.unpackb(view[4:4 + head_len], raw=False, use_list=False, max_str_len=64,
+                                 max_bin_len=0, max_array_len=2 * MAX_FRAGMENTS, max_map_len=0, max_ext_len=0)
+    except Exception as e:  # noqa: BLE001  (msgpack raises many types on junk)
+        raise StateSyncError(f"the state header is not valid msgpack ({type(e).__name__})") from None
+    if type(header) is not tuple:
+        raise StateSyncError("the state header is not a list")
+    entries: list[tuple[str, int]] = []
+    for item in header:
+        if not (type(item) is tuple and len(item) == 2 and type(item[0]) is str and type(item[1]) is int
+                and _NAME.fullmatch(item[0]) and 0 <= item[1] <= _MAX_NUMEL):
+            raise StateSyncError("the state header has a malformed entry")
+        entries.append(item)
+    names = [name for name, _ in entries]
+    if names != sorted(set(names)):
+        raise StateSyncError("the state header's names are not sorted and distinct")
+    start = _aligned(4 + head_len)
+    if start + 4 * sum(numel for _, numel in entries) != len(view) or any(view[4 + head_len:start]):
+        raise StateSyncError("the state blob's size or padding does not match its header")
+    sizes = dict(entries)
+    fragments = len(index.rounds)
+    if {k for k in names if k.startswith("global/")} != {f"global/{p}" for p in range(fragments)}:
+        raise StateSyncError(f"the state does not hold global/0..{fragments - 1} for its {fragments} fragments")
+    for name, numel in entries:
+        if name.startswith("outer_momentum/") and sizes.get(name.replace("outer_momentum/", "global/")) != numel:
+            raise StateSyncError(f"the state's {name} does not match its global copy")
+    tensors = {}
+    pos = start
+    for name, numel in entries:
+        arr = np.frombuffer(blob, dtype="<f4", count=numel, offset=pos) if numel else np.empty(0, "<f4")
+        tensors[name] = torch.from_numpy(arr.astype(np.float32, copy=False))
+        pos += 4 * numel
+    return GlobalState(tensors=tensors, rounds=tuple(index.rounds), step=int(index.step))
+
+
+
+def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2) -> tuple[bytes, list[bytes]] | None:
+    """The state digest most peers vouch for, and its vouchers (public keys, sorted).
+
+    ``vouches`` maps a peer's public key to the digest in its live heartbeat; empty digests are
+    ignored. Ties go to the smallest digest, so every joiner picks the same one. None unless at
+    least ``min(min_vouchers, peers with a digest)`` peers vouch for the winner."""
+    by_digest: dict[bytes, list[bytes]] = {}
+    for key, d in vouches.items():
+        if d:
+            by_digest.setdefault(bytes(d), []).append(bytes(key))
+    if not by_digest:
+        return None
+    best = min(by_digest, key=lambda d: (-len(by_digest[d]), d))
+    vouchers = sorted(by_digest[best])
+    if len(vouchers) < min(min_vouchers, sum(len(v) for v in by_digest.values())):
+        return None
+    return best, vouchers
+
