@@ -16,6 +16,7 @@ similar speed average together; a much slower peer finds no group and averages a
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 import json
 import logging
 import os
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 # Fault injection for the swarm tests, e.g. "die-after-group:0:1": SIGKILL ourselves right after
 # joining the group of fragment 0, round 1, so the others see a member vanish mid all-reduce.
 _FAULT = os.environ.get("SWARMSTREAM_FAULT", "")
+STATE_INDEX_ATTEMPTS = 4  # asks of the donors' current index before giving up on a state download
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,8 +86,9 @@ class NodeStats:
     dropped_peers: int = 0
     waited_s: float = 0.0
     inner_s: float = 0.0
-    allreduce_s: list[float] = field(default_factory=list)
-    losses: list[tuple[int, float]] = field(default_factory=list)
+    allreduce_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    """Latency of the latest all-reduces (bounded: a node runs for weeks)."""
+    losses: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=1000))
 
 
 def global_digest(worker: Worker) -> str:
@@ -130,6 +133,7 @@ class Node:
             self._publishing = None
             self._alone_this_round = False  # averaged alone since our last full round
             self._repair_due = False  # the last full round had a lone sync: compare with the majority
+            self._caught_up = False  # joined the swarm's state (or found nobody ahead); until then lag 1
         except BaseException:
             self.net.close()
             raise
@@ -162,41 +166,39 @@ class Node:
         last_beat = last_ckpt = 0.0
         t_start = time.perf_counter()
         self.state = "training"
-        try:
-            while not self.stop_event.is_set():
-                t0 = time.perf_counter()
-                loss = worker.forward_backward([sampler.next_batch() for _ in range(train.inner.grad_accum)])
-                worker.optimizer_step()
-                self.stats.inner_s += time.perf_counter() - t0
-                step = worker.step
-                if step % 10 == 0:
-                    self.stats.losses.append((step, loss))
-                for p in schedule.starts_after(step):
-                    r = schedule.round_of(p, step)
-                    delta, weight = worker.begin_sync(p)
-                    pending[p] = (r, self.net.submit(self._average(p, r, delta, weight)), delta)
-                for p in schedule.lands_after(step):
-                    self._land(worker, p, pending.pop(p), swarm)
-                    self._publish_state(worker)
-                    if p == len(worker.outer) - 1:  # the last fragment landed: a full round
-                        self._repair_due, self._alone_this_round = self._alone_this_round, False
-                        if time.monotonic() - last_ckpt >= self.cfg.checkpoint_every_s:
-                            last_ckpt = time.monotonic()
-                            save_checkpoint(ckpt, worker, sampler, run_id=self.run_id, rounds=self.stats.rounds)
-                now = time.monotonic()
-                if now - last_beat >= swarm.heartbeat_interval_s:
-                    last_beat = now
-                    self._beat(worker, swarm)
-                    if not pending:  # between rounds: nothing of ours is in flight
-                        self._check_agreement(worker, swarm)
-                if self.cfg.max_rounds is not None and min(self.stats.rounds) >= self.cfg.max_rounds:
-                    break
-            self.state = "finishing"
-            for p in sorted(pending):  # contribute what was started; never drop it silently
+        while not self.stop_event.is_set():
+            t0 = time.perf_counter()
+            loss = worker.forward_backward([sampler.next_batch() for _ in range(train.inner.grad_accum)])
+            worker.optimizer_step()
+            self.stats.inner_s += time.perf_counter() - t0
+            step = worker.step
+            if step % 10 == 0:
+                self.stats.losses.append((step, loss))
+            for p in schedule.starts_after(step):
+                r = schedule.round_of(p, step)
+                delta, weight = worker.begin_sync(p)
+                pending[p] = (r, self.net.submit(self._average(p, r, delta, weight)), delta)
+            for p in schedule.lands_after(step):
                 self._land(worker, p, pending.pop(p), swarm)
-            save_checkpoint(ckpt, worker, sampler, run_id=self.run_id, rounds=self.stats.rounds)
-        finally:
-            wall = time.perf_counter() - t_start
+                self._publish_state(worker)
+                if p == len(worker.outer) - 1:  # the last fragment landed: a full round
+                    self._repair_due, self._alone_this_round = self._alone_this_round, False
+                    if time.monotonic() - last_ckpt >= self.cfg.checkpoint_every_s:
+                        last_ckpt = time.monotonic()
+                        save_checkpoint(ckpt, worker, sampler, run_id=self.run_id, rounds=self.stats.rounds)
+            now = time.monotonic()
+            if now - last_beat >= swarm.heartbeat_interval_s:
+                last_beat = now
+                self._beat(worker, swarm)
+                if not pending:  # between rounds: nothing of ours is in flight
+                    self._check_agreement(worker, swarm)
+            if self.cfg.max_rounds is not None and min(self.stats.rounds) >= self.cfg.max_rounds:
+                break
+        self.state = "finishing"
+        for p in sorted(pending):  # contribute what was started; never drop it silently
+            self._land(worker, p, pending.pop(p), swarm)
+        save_checkpoint(ckpt, worker, sampler, run_id=self.run_id, rounds=self.stats.rounds)
+        wall = time.perf_counter() - t_start
         eval_model = Transformer(train.model).to(device)
         eval_model.load_state_dict(worker.global_state())
         held = heldout_batches(corpus.heldout, train.model.seq_len, train.inner.batch_size, self.cfg.eval_batches)
@@ -208,7 +210,7 @@ class Node:
             "syncs_alone": self.stats.syncs_alone, "dropped_peers": self.stats.dropped_peers,
             "waited_s": round(self.stats.waited_s, 3), "inner_s": round(self.stats.inner_s, 3),
             "wall_s": round(wall, 3), "global_digest": global_digest(worker),
-            "allreduce_s": [round(x, 3) for x in self.stats.allreduce_s],
+            "allreduce_s": [round(x, 3) for x in list(self.stats.allreduce_s)[-50:]],
         }
 
     async def _average(self, fragment: int, round_: int, delta: torch.Tensor, weight: float):
@@ -285,7 +287,9 @@ class Node:
         peers = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=30)
         peers.pop(self.identity.public_key, None)
         mine = min(self.stats.rounds, default=0)
-        lag = 1 if joining else 2
+        # behind by one round counts when joining, before our first download, or after we
+        # averaged alone (we are the straggler); in lockstep, peers differ by one for a moment
+        lag = 1 if joining or not self._caught_up or self._repair_due else 2
         ahead = {k: hb.state_digest for k, hb in peers.items()
                  if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
         choice = choose_digest(ahead)
@@ -293,6 +297,8 @@ class Node:
             log.info("peers are ahead of round %d; downloading their state", mine)
             self._download(worker, swarm, choice[1], peers, fast_forward=True)
             return
+        if joining and not ahead:
+            self._caught_up = True  # nobody is ahead of us: we start in step with the swarm
         if not (self.state_digest and self._repair_due):
             return  # peers in other groups differ from us by design; their averages mix next rounds
         same = {k: hb.state_digest for k, hb in peers.items()
@@ -308,25 +314,50 @@ class Node:
                         len(choice[1]), self.stats.rounds)
             self._download(worker, swarm, choice[1], peers, fast_forward=False)
 
+    def _current_state(self, swarm, donors: list[str], newer_than: tuple[int, ...] | None = None,
+                       wait_s: float = 0.0) -> tuple[bytes, list[str], tuple[int, ...]]:
+        """The digest of the state that the most of ``donors`` serve now (two or more of them when
+        two or more answer), the donors serving it, and its rounds. With ``newer_than``, poll up to
+        ``wait_s`` seconds for a state past those rounds (the swarm's next landing)."""
+        deadline = time.monotonic() + wait_s
+        attempt = 0
+        while True:
+            served = self.net.call(current_indexes(self.net.p2p, self.identity, self.run_id, donors,
+                                                   timeout_s=swarm.state_chunk_timeout_s),
+                                   timeout=swarm.state_chunk_timeout_s + 10)
+            by_digest: dict[bytes, list[str]] = {}
+            for donor, (digest, _) in served.items():
+                by_digest.setdefault(digest, []).append(donor)
+            if not by_digest:
+                raise StateSyncError(f"none of {len(donors)} donors answered with a state index")
+            digest, serving = max(by_digest.items(), key=lambda kv: (len(kv[1]), sum(served[kv[1][0]][1].rounds)))
+            rounds = tuple(served[serving[0]][1].rounds)
+            agreed = len(serving) >= min(2, len(served))
+            if agreed and (newer_than is None or sum(rounds) > sum(newer_than)):
+                return digest, serving, rounds
+            attempt += 1
+            # donors caught mid-landing serve two consecutive states for a moment; or we wait
+            # for the round in flight to land
+            if attempt >= STATE_INDEX_ATTEMPTS and time.monotonic() >= deadline:
+                raise StateSyncError(f"donors disagree on the state ({len(by_digest)} different ones)"
+                                     if not agreed else "the swarm did not land a new round in time")
+            if self.stop_event.wait(0.25):
+                raise StateSyncError("stopped")
+
     def _download(self, worker: Worker, swarm, vouchers: list[bytes], peers: dict, *, fast_forward: bool) -> None:
-        """Download the global state that the most of ``vouchers`` serve *now* (two or more of
-        them when two or more answer) from all that serve it, and load it."""
+        """Download the global state that the most of ``vouchers`` serve now and load it. To catch
+        up (``fast_forward``), take the state of the swarm's *next* landing: the swarm is already
+        matching peers for the round in flight, and a state from before it would always leave us
+        one round late. We idle for at most one round, then start in step with everyone."""
         previous = self.state
         self.state = "syncing"
         t0 = time.perf_counter()
         try:
             donors = [peer_id_from_public_key(v) for v in vouchers]
-            served = self.net.call(current_indexes(self.net.p2p, self.identity, self.run_id, donors,
-                                                   timeout_s=swarm.state_chunk_timeout_s),
-                                   timeout=swarm.state_chunk_timeout_s + 10)
-            by_digest: dict[bytes, list[str]] = {}
-            for donor, (digest, index) in served.items():
-                by_digest.setdefault(digest, []).append(donor)
-            if not by_digest:
-                raise StateSyncError(f"none of {len(donors)} donors answered with a state index")
-            digest, serving = max(by_digest.items(), key=lambda kv: (len(kv[1]), min(served[kv[1][0]][1].rounds)))
-            if len(serving) < min(2, len(served)):
-                raise StateSyncError(f"donors disagree on the state ({len(by_digest)} different ones); try later")
+            digest, serving, rounds = self._current_state(swarm, donors)
+            if fast_forward:
+                digest, serving, rounds = self._current_state(
+                    swarm, serving, newer_than=rounds, wait_s=swarm.matchmaking_timeout_s + swarm.allreduce_timeout_s)
             self.on_event({"event": "syncing_state", "donors": len(serving)})
             state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, serving, digest,
                                               chunk_timeout_s=swarm.state_chunk_timeout_s),
@@ -338,11 +369,10 @@ class Node:
         apply(worker, state)
         self.stats.rounds = list(state.rounds)
         self.state_digest = digest
+        self._caught_up, self._repair_due = True, False
         if fast_forward:
-            # The donors published this state at their last landing and train on toward the next
-            # sync its rounds imply. Start right before it, so our next step meets them in that
-            # round's matchmaking; the steps skipped only mean our first contribution covers
-            # fewer tokens, and weighs less.
+            # the donors just landed this state and train toward the next sync its rounds imply:
+            # start right before it, so our next step meets them in that round's matchmaking
             sched = worker.schedule
             next_sync = min(sched.offset(p) + r * sched.inner_steps for p, r in enumerate(state.rounds))
             worker.step = max(state.step, next_sync - 1)
