@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import platformdirs
 
 
 def _fail(msg: str) -> int:
@@ -73,8 +72,10 @@ def cmd_join(args: argparse.Namespace) -> int:
         print("swarmstream: the dashboard is not built yet; running headless", file=sys.stderr)
     if not address.bootstrap and not args.initial_peers:
         return _fail("no peer to join through: paste a full address RUN_ID@MULTIADDR or add --initial-peers")
-    data_dir = args.data_dir or platformdirs.user_data_path("swarmstream", appauthor=False) / "runs"
-    identity = args.identity or platformdirs.user_data_path("swarmstream", appauthor=False) / "identity.key"
+    from peer.identity_store import default_identity_path
+
+    identity = args.identity or default_identity_path()
+    data_dir = args.data_dir or default_identity_path().parent / "runs"  # beside the key, in the data dir
     cmd = [sys.executable, "-m", "peer.node", "--address", str(address), "--identity", str(identity),
            "--data-dir", str(data_dir), "--listen", args.listen, "--device", args.device,
            "--initial-peers", *args.initial_peers]
