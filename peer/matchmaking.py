@@ -7,14 +7,18 @@ key, so a writer can only fill its own slot; see ``peer.network.RecordOwnerValid
   (weight, numel), expiring ``JOIN_TTL_FACTOR * matchmaking_timeout_s`` after it was written;
 - ``run/<run>/avg/<fragment>/<round>/groups``: each group leader's signed ``GroupFormed``.
 
-The scheme, as each peer runs it (``T = matchmaking_timeout_s``, ``gather = GATHER_FRACTION * T``):
+The scheme, as each peer runs it (``T = matchmaking_timeout_s``, ``gap = GAP_FRACTION * T``,
+``span = SPAN_FRACTION * T``):
 
 1. Write our JoinGroup. Its *join time* is its expiration minus the fixed TTL (the DHT keeps
    the expiration with each subkey, so no extra field is needed).
-2. Batches: sort the joins of (run, fragment, round) by join time and cut them greedily into
-   windows: a batch starts at the earliest join not yet in a batch and holds every join of
-   the next ``gather`` seconds. Wait until our batch's window has closed, plus ``settle``
-   seconds for the last stores to land, then read the joins one final time.
+2. Batches: sort the joins of (run, fragment, round) by join time and chain them into
+   batches: a batch starts at the earliest join not yet in a batch and takes each next join
+   that comes within ``gap`` seconds of the one before it, up to ``span`` seconds after its
+   first. Peers that reach a round a few seconds apart, one after another, so land in one
+   batch (fixed windows cut them apart at arbitrary points, and two half-swarms then average
+   separately). Wait until our batch has closed (``gap`` after its last join, or at its span),
+   plus ``settle`` seconds for the last stores to land, then read the joins one final time.
 3. Groups: rank the batch's peers by ``sha256(seed || public key)`` with
    ``seed = sha256(run, fragment, round)``, and deal them out to ``ceil(n / group_size)``
    groups round-robin (sizes differ by at most one, none above ``group_size``). Member order
@@ -40,8 +44,9 @@ first member and its ID is the hash of its members, and a join time not in the f
 ``CLOCK_SKEW_S``. A record that fails is ignored and logged (``reason=... peer=...``).
 
 Tuning: raise ``matchmaking_timeout_s`` if peers that are ready at about the same time end up
-in separate batches (the window is a fraction of it); on a slow DHT, raise it as well, since
-the settle time is a fraction of it too.
+in separate batches (gap and span are fractions of it); on a slow DHT, raise it as well, since
+the settle time is a fraction of it too. ``span + settle`` stays below ``T``, so the first
+member of a batch still has time to see its group before its own deadline.
 """
 
 from __future__ import annotations
@@ -70,7 +75,8 @@ __all__ = ["Matchmaker", "assign_groups", "batch_of", "group_id_of", "groups_key
 
 log = logging.getLogger(__name__)
 
-GATHER_FRACTION = 0.4  # of matchmaking_timeout_s: how long a batch stays open after its first join
+GAP_FRACTION = 0.4  # of matchmaking_timeout_s: a join this soon after the batch's last one extends it
+SPAN_FRACTION = 0.7  # of matchmaking_timeout_s: no batch stays open longer than this after its first join
 SETTLE_FRACTION = 0.1  # of matchmaking_timeout_s, at most SETTLE_MAX_S: for late stores to land
 SETTLE_MAX_S = 2.0
 JOIN_TTL_FACTOR = 2.0  # joins outlive every window they can be part of
@@ -105,22 +111,28 @@ def assign_groups(seed: bytes, keys: list[bytes] | set[bytes], group_size: int) 
     return [tuple(order[g::count]) for g in range(count)]
 
 
-def batch_of(join_times: dict[bytes, float], me: bytes, gather_s: float) -> tuple[list[bytes], float]:
-    """The batch of joins that ``me`` belongs to, and the time its window closes.
+def batch_of(join_times: dict[bytes, float], me: bytes, gap_s: float, span_s: float) -> tuple[list[bytes], float]:
+    """The batch of joins that ``me`` belongs to, and the time it closes.
 
-    Windows are cut greedily from the earliest join: [t, t + gather_s] holds the joins in it,
-    the next window starts at the first join after it. ``me`` must be in ``join_times``."""
+    Batches are chained greedily from the earliest join: each next join extends the batch if
+    it comes at most ``gap_s`` after the previous one and at most ``span_s`` after the batch's
+    first; otherwise it starts the next batch. A batch closes ``gap_s`` after its last join
+    (no later join can extend it), or at ``first + span_s``. ``me`` must be in ``join_times``."""
     order = sorted(join_times, key=lambda k: (join_times[k], k))
-    start, batch = None, []
+    batches: list[list[bytes]] = []
+    first = last = 0.0
     for k in order:
         t = join_times[k]
-        if start is None or t > start + gather_s:
-            if me in batch:
+        if not batches or t > last + gap_s or t > first + span_s:
+            if batches and me in batches[-1]:
                 break
-            start, batch = t, []
-        batch.append(k)
-    assert start is not None and me in batch
-    return batch, start + gather_s
+            batches.append([])
+            first = t
+        batches[-1].append(k)
+        last = t
+    batch = batches[-1]
+    assert me in batch
+    return batch, min(last + gap_s, first + span_s)
 
 
 def group_id_of(seed: bytes, members: tuple[bytes, ...]) -> bytes:
@@ -146,7 +158,8 @@ class Matchmaker:
         self.swarm = swarm
         self.poll_s = poll_s
         t = swarm.matchmaking_timeout_s
-        self.gather_s = GATHER_FRACTION * t
+        self.gap_s = GAP_FRACTION * t
+        self.span_s = SPAN_FRACTION * t
         self.settle_s = min(SETTLE_FRACTION * t, SETTLE_MAX_S)
         self.join_ttl_s = JOIN_TTL_FACTOR * t
 
@@ -241,7 +254,7 @@ class Matchmaker:
         while True:
             joins = await self._read_joins(fragment, round, numel, now())
             joins.setdefault(me, _Join(weight, numel, t_me))  # our own store may not be readable yet
-            batch, close = batch_of({k: j.joined_at for k, j in joins.items()}, me, self.gather_s)
+            batch, close = batch_of({k: j.joined_at for k, j in joins.items()}, me, self.gap_s, self.span_s)
             wake = min(close + self.settle_s, deadline)
             if now() >= wake:
                 break
