@@ -64,6 +64,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from peer.ratelimit import CHUNK_BYTES, RateLimiter
 from protocol.butterfly import slice_bounds
 from protocol.codecs import Codec, get_codec
 from protocol.envelope import Envelope, Verified, seal_parts, verify
@@ -317,7 +318,8 @@ class Averager:
 
     def __init__(self, p2p: P2P, identity: Identity, run_id: bytes, *, max_pending_groups: int = 8,
                  max_frame_bytes: int = 64 << 20, max_pending_bytes: int | None = None,
-                 pending_ttl_s: float = 120.0, read_timeout_s: float = 30.0):
+                 pending_ttl_s: float = 120.0, read_timeout_s: float = 30.0,
+                 upload: RateLimiter | None = None, download: RateLimiter | None = None):
         if not 2 * _HEAD_ROOM <= max_frame_bytes <= MAX_FRAME_BYTES:
             raise LocalProtocolError(f"max_frame_bytes must be in [{2 * _HEAD_ROOM}, {MAX_FRAME_BYTES}], "
                                      f"got {max_frame_bytes}")
@@ -331,6 +333,9 @@ class Averager:
         self.max_pending_bytes = 4 * max_frame_bytes if max_pending_bytes is None else max_pending_bytes
         self.pending_ttl_s = pending_ttl_s
         self.read_timeout_s = read_timeout_s
+        # the volunteer's bandwidth caps (shared with the node, which changes their rates)
+        self.upload = upload or RateLimiter()
+        self.download = download or RateLimiter()
         self.handler_name = HANDLER_PREFIX + self.run_id.hex()
         self._active: dict[bytes, _Round] = {}
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
@@ -368,6 +373,7 @@ class Averager:
                 data = await read_frame(reader, self.max_frame_bytes, self.read_timeout_s)
                 if data is None:
                     break
+                await self.download.take(HEADER_LEN + len(data))  # holds back the sender under a cap
                 self._on_frame(peer_id, data)
         except _FrameTooLarge as e:
             self._blame(peer_id, None, f"frame_too_large:{e}")
@@ -448,8 +454,19 @@ class Averager:
         try:
             for parts in frames:
                 size = sum(len(p) for p in parts)
-                writer.write(size.to_bytes(HEADER_LEN, "big"))
-                writer.writelines(parts)
+                if self.upload.limited:  # under a cap: small writes, each paid for before it goes
+                    await self.upload.take(HEADER_LEN)
+                    writer.write(size.to_bytes(HEADER_LEN, "big"))
+                    for part in parts:
+                        view = memoryview(part).cast("B")
+                        for i in range(0, len(view), CHUNK_BYTES):
+                            chunk = view[i:i + CHUNK_BYTES]
+                            await self.upload.take(len(chunk))
+                            writer.write(chunk)
+                            await writer.drain()
+                else:
+                    writer.write(size.to_bytes(HEADER_LEN, "big"))
+                    writer.writelines(parts)
                 await writer.drain()
                 sent += HEADER_LEN + size
         finally:

@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Callable
 
 from peer.identity_store import load_or_create_identity
+from peer.settings_store import save_settings
 from protocol.config import DataConfig, InnerConfig, SyncConfig, TrainConfig, model_preset
 from protocol.manifest import RunAddress, RunManifest, SwarmConfig, open_manifest, sign_manifest
+from protocol.settings import ClientSettings, Settings
 
 LOCALHOST = "/ip4/127.0.0.1/tcp/0"
 
@@ -67,6 +69,12 @@ class Demo:
         cmd = [sys.executable, "-m", "peer.node", *source, "--identity", str(self.dir / f"peer{i}.key"),
                "--data-dir", str(self.dir / f"peer{i}"), "--listen", LOCALHOST, "--device", "cpu"]
         cmd += ["--checkpoint-every", str(self.checkpoint_every_s)]
+        # each peer has its own control socket (the dashboard attaches to one) and settings; the
+        # demo trains on this machine only, so there is nothing for the volunteer to confirm
+        settings = self.dir / f"peer{i}.toml"
+        if not settings.exists():
+            save_settings(settings, Settings(client=ClientSettings(confirmed=True)))
+        cmd += ["--control", str(self.control_path(i)), "--settings", str(settings)]
         if i < self.peers:  # the peers that start together wait for each other; later ones join a live run
             cmd += ["--min-peers", str(self.peers)]
         if self.rounds is not None:
@@ -79,6 +87,9 @@ class Demo:
         reader.start()
         self.readers.append(reader)
         return proc
+
+    def control_path(self, i: int) -> Path:
+        return self.dir / f"peer{i}.sock"
 
     def _read(self, i: int, proc: subprocess.Popen) -> None:
         assert proc.stdout is not None

@@ -17,8 +17,7 @@ import os
 import stat
 from pathlib import Path
 
-import platformdirs
-
+from peer import paths
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity, InvalidKey
 
@@ -35,7 +34,7 @@ class IdentityFileError(RemoteProtocolError):
 
 def default_identity_path() -> Path:
     """Where the volunteer's key lives unless ``--identity`` says otherwise."""
-    return platformdirs.user_data_path(APP_NAME, appauthor=False) / IDENTITY_FILENAME
+    return paths.identity_path()
 
 
 def load_or_create_identity(path: str | os.PathLike[str] | None = None) -> Identity:

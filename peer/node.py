@@ -8,6 +8,14 @@ if it is late, and measures that wait (``waited_s``). A sync whose group never f
 whose all-reduce failed lands the node's *own* pseudo-gradient, so a lone or cut-off peer
 keeps training on its own outer steps (and is counted in ``syncs_alone``).
 
+The node also serves its control socket (``peer.control``): status, events for the dashboard,
+and the volunteer's commands. Pause lands the syncs in flight, writes a checkpoint and drops
+the model (freeing the accelerator), and keeps announcing itself as paused, so no group waits
+for it; resume rebuilds the model from the checkpoint, catches up with the swarm if it moved
+on (and says how many local steps that dropped), and trains on. Finish-then-stop trains to
+the end of the current round, contributes it and exits. The volunteer's settings
+(``protocol.settings``) apply at once where they can: bandwidth caps, threads, schedule.
+
 Rounds are counted per fragment from the schedule: round r of fragment p starts after step
 ``offset_p + r*H``. Peers meet in matchmaking by (fragment, round), so peers that train at
 similar speed average together; a much slower peer finds no group and averages alone.
@@ -15,8 +23,10 @@ similar speed average together; a much slower peer finds no group and averages a
 
 from __future__ import annotations
 
+import datetime
+import fcntl
+import gc
 import hashlib
-from collections import deque
 import json
 import logging
 import os
@@ -24,28 +34,41 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from peer.allreduce import Averager
+from peer import conditions, paths
 from peer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from peer.control import CommandError, ControlError, ControlServer
+from peer.credit import CreditLedger
 from peer.data import ShardSampler, heldout_batches, load_corpus
 from peer.identity_store import load_or_create_identity
 from peer.matchmaking import Matchmaker
 from peer.model import Transformer
 from peer.network import Network, NetworkConfig, NetworkError
 from peer.presence import Presence
+from peer.ratelimit import RateLimiter, mbps_to_bytes_per_s
+from peer.settings_store import load_settings, save_settings
 from peer.globalstate import StateSyncError, apply, choose_digest, snapshot
 from peer.statesync import StateServer, current_indexes, fetch_state
 from peer.worker import Worker, evaluate, pick_device
 from protocol.butterfly import slice_bounds
 from protocol.identity import peer_id_from_public_key
-from protocol.manifest import SignedManifest, open_manifest
-from protocol.messages_swarm import Heartbeat, RunAdvertised
 from protocol import __version__
+from protocol.errors import ConfigError
+from protocol.manifest import SignedManifest, open_manifest
+from protocol.messages import Message
+from protocol.messages_control import (
+    FinishAndStop, FragmentSynced, FragmentSyncFailed, LeaveRun, LogRecorded, LossMeasured, PauseTraining, PeerJoined,
+    PeerLeft, PeerUpdated, ResumeTraining, StateChanged, UpdateSettings,
+)
+from protocol.messages_swarm import Heartbeat, RunAdvertised
+from protocol.settings import Settings, parse_settings, render_settings
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +87,25 @@ class NodeConfig:
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     initial_peers: tuple[str, ...] = ()
     announce_maddrs: tuple[str, ...] = ()
-    device: str = "auto"
+    device: str | None = None
+    """cpu, cuda, mps, auto; None: the volunteer's settings say."""
     max_rounds: int | None = None
     """Stop after this many rounds of every fragment (None: train until stopped)."""
     checkpoint_every_s: float = 120.0
     """Write a checkpoint at the first full round after this many seconds (0: every full round)."""
     eval_batches: int = 8
+    eval_every_rounds: int = 1
+    """Measure the held-out loss of the global model every this many full rounds (0: never)."""
     min_peers: int = 1
     """Wait (announced, not training) until this many peers of the run are live, so a swarm
     that starts together averages from its first round. Gives up after ``min_peers_wait_s``."""
     min_peers_wait_s: float = 120.0
+    control_path: Path | None = None
+    """The control socket to serve (None: none)."""
+    settings_path: Path | None = None
+    """The volunteer's settings file (None: the defaults, not persisted)."""
+    wait_for_confirm: bool = False
+    """Start paused until the volunteer confirms, if the settings say they have not yet."""
 
 
 @dataclass(slots=True)
@@ -86,9 +118,14 @@ class NodeStats:
     dropped_peers: int = 0
     waited_s: float = 0.0
     inner_s: float = 0.0
+    inner_steps: int = 0
     allreduce_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     """Latency of the latest all-reduces (bounded: a node runs for weeks)."""
     losses: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=1000))
+    heldout: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=1000))
+    traffic: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=256))
+    """(time, bytes sent, bytes received) after each sync, for the dashboard's rates."""
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=50))
 
 
 def global_digest(worker: Worker) -> str:
@@ -99,6 +136,44 @@ def global_digest(worker: Worker) -> str:
     return h.hexdigest()
 
 
+class NodeAlreadyRunning(Exception):
+    """Another node holds this identity (or this control socket)."""
+
+
+def lock_identity(identity_path: Path) -> int:
+    """Hold an exclusive lock next to the key file for the life of this process: two nodes
+    with one identity would be one peer ID in two places, and the swarm would mix them up."""
+    lock_path = Path(str(identity_path) + ".lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise NodeAlreadyRunning(f"a swarmstream node already runs with the identity {identity_path} "
+                                 f"(pid {holder}); stop it with `swarmstream stop`, or pass another --identity")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+class _LogToControl(logging.Handler):
+    """Forwards the node's INFO and louder log records to the dashboard as LogRecorded."""
+
+    def __init__(self, node: Node):
+        super().__init__(logging.INFO)
+        self.node = node
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = "".join(c if c.isprintable() or c == "\n" else "?" for c in record.getMessage())[:4096]
+            self.node._emit(LogRecorded(at=record.created, level=record.levelname, logger=record.name[:128],
+                                        text=text))
+        except Exception:  # a log line must never break the node
+            pass
+
+
 class Node:
     def __init__(self, cfg: NodeConfig, *, manifest_bytes: bytes | None = None, run_id: bytes | None = None,
                  on_event: Callable[[dict], None] | None = None):
@@ -106,112 +181,447 @@ class Node:
             raise ValueError("a node needs a manifest or a run ID")
         self.cfg = cfg
         self.on_event = on_event or (lambda event: None)
+        self.settings = load_settings(cfg.settings_path) if cfg.settings_path else Settings()
         self.identity = load_or_create_identity(cfg.identity_path)
+        self._lock_fd = lock_identity(cfg.identity_path)
         self.stop_event = threading.Event()
+        self._wake = threading.Event()  # pauses and waits end early on a command
         self.stats = NodeStats()
-        self.state = "joining"
-        self.net = Network(NetworkConfig(identity_path=str(cfg.identity_path), host_maddrs=cfg.host_maddrs,
-                                         initial_peers=cfg.initial_peers, announce_maddrs=cfg.announce_maddrs))
+        self._state = "joining"
+        self.started_at = time.time()
+        self.worker: Worker | None = None
+        self.sampler: Any = None
+        self.ledger: CreditLedger | None = None
+        self.signed: SignedManifest | None = None
+        # what the volunteer asked for (set from the control thread, read by the training thread)
+        self._user_paused = cfg.wait_for_confirm and not self.settings.client.confirmed
+        self._pause_reason = "waiting for you to confirm in the dashboard" if self._user_paused else ""
+        self._finish_requested = False
+        self._leave_requested = False
+        self._settings_changed = True
+        self._progress: tuple[float, str] | None = None
+        # what the dashboard sees on subscribing
+        self._peers: dict[bytes, Heartbeat] = {}
+        self._peers_future: Any = None
+        self._recent: deque[Message] = deque(maxlen=300)
+        self._loss_history: deque[Message] = deque(maxlen=400)
+        self.upload_limiter, self.download_limiter = RateLimiter(), RateLimiter()
+        self._apply_caps()
+        self.control: ControlServer | None = None
+        self._log_handler: logging.Handler | None = None
+        try:
+            if cfg.control_path is not None:
+                self.control = ControlServer(cfg.control_path, self)
+                self.control.start()
+                self._log_handler = _LogToControl(self)
+                logging.getLogger().addHandler(self._log_handler)
+            self.net = Network(NetworkConfig(identity_path=str(cfg.identity_path), host_maddrs=cfg.host_maddrs,
+                                             initial_peers=cfg.initial_peers, announce_maddrs=cfg.announce_maddrs))
+        except BaseException:
+            self._release()
+            raise
         try:
             assert self.net.dht is not None and self.net.p2p is not None
             self.presence = Presence(self.net.dht, self.identity)
             if manifest_bytes is not None:
-                self.signed: SignedManifest = open_manifest(manifest_bytes, run_id=run_id)
+                self.signed = open_manifest(manifest_bytes, run_id=run_id)
                 self.manifest_bytes = manifest_bytes
             else:
                 self.signed, self.manifest_bytes = self.net.call(self.presence.fetch_manifest(run_id), timeout=60)
             self.run_id = self.signed.run_id
             self.net.call(self.presence.publish_manifest(self.manifest_bytes, self.run_id), timeout=30)
             swarm = self.signed.manifest.swarm
-            self.averager = Averager(self.net.p2p, self.identity, self.run_id)
+            self.averager = Averager(self.net.p2p, self.identity, self.run_id, upload=self.upload_limiter,
+                                     download=self.download_limiter)
             self.net.call(self.averager.start(), timeout=30)
             self.matchmaker = Matchmaker(self.net.dht, self.identity, self.run_id, swarm)
             self.state_server = StateServer(self.net.p2p, self.identity, self.run_id,
                                             chunk_bytes=swarm.state_chunk_bytes)
             self.net.call(self.state_server.start(), timeout=30)
+            self.ledger = CreditLedger(self.cfg.data_dir / self.signed.run_id_text / "credit.json")
             self.state_digest = b""
             self._publishing = None
             self._alone_this_round = False  # averaged alone since our last full round
             self._repair_due = False  # the last full round had a lone sync: compare with the majority
             self._caught_up = False  # joined the swarm's state (or found nobody ahead); until then lag 1
+            self._sync_started_at: list[int] = []  # step of each fragment's latest contribution
+            self._maddrs: list[str] = self.net.visible_maddrs()
         except BaseException:
             self.net.close()
+            self._release()
             raise
+
+    # --- state, events, the control socket ----------------------------------------------
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, new: str) -> None:
+        old, self._state = self._state, new
+        if new != old:
+            reason = self._pause_reason if new == "paused" else ""
+            self._emit(StateChanged(at=time.time(), old=old, new=new, reason=reason))
+            self.on_event({"event": "state", "state": new, "reason": reason})
+
+    def _emit(self, msg: Message) -> None:
+        if self.control is not None:
+            self.control.publish(msg)
+
+    def _remember(self, msg: Message) -> None:
+        self._recent.append(msg)
+        self._emit(msg)
+
+    def reachability(self) -> str:
+        if not self._maddrs:
+            return "unreachable"
+        return "relayed" if any("/p2p-circuit" in m for m in self._maddrs) else "direct"
+
+    def status(self) -> dict[str, Any]:
+        """The fields of the control socket's StatusReported (called from its thread)."""
+        w, st = self.worker, self.stats
+        c = self.ledger.credit if self.ledger else None
+        now = time.monotonic()
+        up = down = 0.0
+        recent = [t for t in st.traffic if now - t[0] <= 60.0]
+        if len(recent) >= 2:
+            (t0, s0, r0), (t1, s1, r1) = recent[0], recent[-1]
+            if t1 > t0:
+                up, down = (s1 - s0) / (t1 - t0), (r1 - r0) / (t1 - t0)
+        progress = self._progress
+        return dict(
+            at=time.time(), run_id=self.signed.run_id if self.signed else b"",
+            run_name=self.signed.manifest.name if self.signed else "", peer_id=self.identity.peer_id,
+            state=self.state, pause_reason=self._pause_reason if self.state == "paused" else "",
+            step=w.step if w else self._last_step(), tokens=c.tokens_trained if c else 0,
+            tokens_per_s=(w.tokens / st.inner_s) if (w and st.inner_s > 0) else 0.0,
+            loss=st.losses[-1][1] if st.losses else None, heldout_loss=st.heldout[-1][1] if st.heldout else None,
+            peers=len(self._peers) + 1, rounds_done=min(st.rounds, default=0), upload_bps=up * 8,
+            download_bps=down * 8, uptime_s=time.time() - self.started_at, device=self._device_name(),
+            reachability=self.reachability(),
+            inner_step_s=sum(st.step_times) / len(st.step_times) if st.step_times else 0.0,
+            progress=progress[0] if progress else None, progress_label=progress[1] if progress else "",
+            settings_path=str(self.cfg.settings_path or ""), settings_toml=render_settings(self.settings),
+            tokens_contributed=c.tokens_contributed if c else 0,
+            fragments_contributed=c.fragments_contributed if c else 0,
+            fragments_alone=c.fragments_alone if c else 0, rounds_joined=c.rounds_joined if c else 0,
+            steps_dropped=c.steps_dropped if c else 0)
+
+    def _last_step(self) -> int:
+        return self._paused_step if hasattr(self, "_paused_step") else 0
+
+    def _device_name(self) -> str:
+        w = self.worker
+        if w is None:
+            return "released (paused)" if self.state == "paused" else ""
+        if w.device.type == "cuda":
+            return f"cuda {torch.cuda.get_device_name(w.device)}"[:64]
+        return str(w.device)
+
+    def command(self, msg: Message) -> None:
+        """A volunteer's command from the control socket (runs on its thread)."""
+        if isinstance(msg, PauseTraining):
+            if self._user_paused:
+                raise CommandError("already paused; resume with `swarmstream resume` or p in the dashboard")
+            if self._finish_requested or self.stop_event.is_set():
+                raise CommandError("the node is finishing; it will stop after this round")
+            self._user_paused, self._pause_reason = True, "paused by you"
+        elif isinstance(msg, ResumeTraining):
+            if not self._user_paused:
+                why = f" (it waits: {self._pause_reason})" if self.state == "paused" else ""
+                raise CommandError(f"not paused by you{why}")
+            self._user_paused, self._pause_reason = False, ""
+        elif isinstance(msg, FinishAndStop):
+            self._finish_requested = True
+        elif isinstance(msg, LeaveRun):
+            self._leave_requested = True
+            self.stop_event.set()
+        elif isinstance(msg, UpdateSettings):
+            try:
+                new = parse_settings(msg.settings_toml, where="the new settings")
+                if self.cfg.settings_path is not None:
+                    save_settings(self.cfg.settings_path, new)
+            except (ConfigError, OSError) as e:
+                raise CommandError(str(e)) from None
+            self.settings = new
+            self._apply_caps()
+            self._settings_changed = True
+            log.info("settings updated path=%s", self.cfg.settings_path)
+        else:
+            raise CommandError(f"{type(msg).__name__} is not a command this node takes")
+        self._wake.set()
+
+    def snapshot_events(self) -> list[Message]:
+        now = time.time()
+        rows = [self._peer_row(k, hb, now) for k, hb in list(self._peers.items())]
+        return list(self._loss_history) + list(self._recent) + rows
+
+    def _peer_row(self, key: bytes, hb: Heartbeat, now: float) -> PeerUpdated:
+        return PeerUpdated(at=now, peer_id=peer_id_from_public_key(key), state=hb.state, device=hb.device,
+                           tokens=hb.tokens, tokens_per_s=hb.tokens_per_s, rounds_done=min(hb.rounds, default=0),
+                           last_seen_at=hb.sent_at)
+
+    def _apply_caps(self) -> None:
+        net = self.settings.network
+        self.upload_limiter.set_rate(mbps_to_bytes_per_s(net.max_upload_mbps))
+        self.download_limiter.set_rate(mbps_to_bytes_per_s(net.max_download_mbps))
+
+    def _refresh_peers(self, swarm) -> None:
+        """Diff the run's live peers against the last view (without blocking training: the DHT
+        read runs on the network thread and is picked up at the next heartbeat)."""
+        fut = self._peers_future
+        if fut is not None and fut.done():
+            try:
+                live = fut.result()
+            except Exception as e:
+                log.info("could not read the peers reason=%r", e)
+                live = None
+            if live is not None:
+                self._update_peers(live)
+            self._peers_future = None
+        if self._peers_future is None:
+            self._peers_future = self.net.submit(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s))
+
+    def _update_peers(self, live: dict[bytes, Heartbeat]) -> None:
+        live = {k: hb for k, hb in live.items() if k != self.identity.public_key}
+        now = time.time()
+        for k in self._peers.keys() - live.keys():
+            self._remember(PeerLeft(at=now, peer_id=peer_id_from_public_key(k), reason="heartbeat expired"))
+        for k, hb in live.items():
+            if k not in self._peers:
+                self._remember(PeerJoined(at=now, peer_id=peer_id_from_public_key(k), device=hb.device))
+            self._emit(self._peer_row(k, hb, now))
+        self._peers = live
+
+    def _conditions_reason(self) -> str:
+        sched = self.settings.schedule
+        if not (sched.window or sched.only_on_ac_power or sched.only_when_idle):
+            return ""
+        now = datetime.datetime.now()
+        mains = conditions.on_mains_power() if sched.only_on_ac_power else None
+        idle = conditions.user_idle_s() if sched.only_when_idle else None
+        if sched.only_on_ac_power and mains is None or sched.only_when_idle and idle is None:
+            if not getattr(self, "_told_unsupported", False):
+                self._told_unsupported = True
+                log.warning("this machine does not tell whether it is %s; that setting is not enforced",
+                            "on mains power" if mains is None and sched.only_on_ac_power else "idle")
+        return conditions.pause_reason(sched, now.hour * 60 + now.minute, mains, idle)
 
     # --- the loop --------------------------------------------------------------------------
 
-    def run(self) -> dict:
-        """Train until stopped (``stop()``, Ctrl+C, or ``max_rounds``); returns the summary."""
+    def _build_worker(self) -> None:
+        """The model, optimizers and sample stream on the chosen device, from the checkpoint if
+        there is one (at start, and on resume after a pause released the accelerator)."""
         train = self.signed.manifest.train
-        swarm = self.signed.manifest.swarm
-        device = pick_device(self.cfg.device)
-        corpus = load_corpus(train.data, train.model.vocab_size)
+        compute = self.settings.compute
+        device = pick_device(self.cfg.device or compute.device)
+        if device.type == "cuda" and compute.gpu_memory_fraction < 1.0:
+            torch.cuda.set_per_process_memory_fraction(compute.gpu_memory_fraction, device)
+        if self._corpus is None:
+            self._corpus = load_corpus(train.data, train.model.vocab_size)
         worker = Worker(train, device=device)
-        sampler = ShardSampler(corpus.train, train.model.seq_len, train.inner.batch_size, train.data.seed,
+        sampler = ShardSampler(self._corpus.train, train.model.seq_len, train.inner.batch_size, train.data.seed,
                                self.identity.public_key)
-        ckpt = self.cfg.data_dir / self.signed.run_id_text / "checkpoint"
         rounds = [0] * len(worker.outer)
-        if ckpt.exists():
+        if self._ckpt.exists():
             try:
-                rounds = load_checkpoint(ckpt, worker, sampler, run_id=self.run_id)
-                log.info("resumed from checkpoint path=%s step=%d rounds=%s", ckpt, worker.step, rounds)
+                rounds = load_checkpoint(self._ckpt, worker, sampler, run_id=self.run_id)
+                log.info("resumed from checkpoint path=%s step=%d rounds=%s", self._ckpt, worker.step, rounds)
                 self.on_event({"event": "resumed", "step": worker.step, "rounds": rounds})
             except CheckpointError as e:
                 raise SystemExit(f"swarmstream: error: {e}") from None
+        self.worker, self.sampler = worker, sampler
         self.stats.rounds = rounds
-        self._wait_for_peers(worker, swarm)
-        self._check_agreement(worker, swarm, joining=True)  # late join, restart: catch up first
+        self._sync_started_at = [worker.step] * len(worker.outer)
+
+    def _release_worker(self) -> None:
+        """Write a checkpoint and drop the model: the accelerator's memory goes back to the OS."""
+        assert self.worker is not None
+        self._save()
+        self._paused_step = self.worker.step
+        device = self.worker.device
+        self.worker = self.sampler = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _save(self) -> None:
+        self._progress = (0.0, "writing a checkpoint")
+        try:
+            save_checkpoint(self._ckpt, self.worker, self.sampler, run_id=self.run_id, rounds=self.stats.rounds)
+        finally:
+            self._progress = None
+
+    def _micro_batches(self) -> list:
+        """The run's batches for one inner step, split under the volunteer's max_batch_size
+        into equal micro-batches (same mean loss and gradient, less memory)."""
+        train = self.signed.manifest.train
+        batches = [self.sampler.next_batch() for _ in range(train.inner.grad_accum)]
+        cap = self.settings.compute.max_batch_size
+        b = train.inner.batch_size
+        if not cap or cap >= b:
+            return batches
+        size = max(d for d in range(1, cap + 1) if b % d == 0)
+        return [(x[i:i + size], y[i:i + size]) for x, y in batches for i in range(0, b, size)]
+
+    def _apply_settings(self) -> None:
+        self._settings_changed = False
+        threads = self.settings.compute.cpu_threads
+        if threads:
+            torch.set_num_threads(threads)
+
+    def _pause_wanted(self) -> str:
+        if self._user_paused:
+            return self._pause_reason or "paused by you"
+        return self._conditions_reason()
+
+    def _pause(self, pending: dict, swarm) -> None:
+        """Land what is in flight (contributed, never dropped), release the accelerator, and
+        stay announced as paused until resumed or stopped; then rebuild and catch up."""
+        for p in sorted(pending):
+            self._land(p, pending.pop(p), swarm)
+        self._release_worker()
+        self.state = "paused"
+        log.info("paused reason=%s", self._pause_reason)
+        self._wake.clear()
+        while not self.stop_event.is_set() and not self._finish_requested:
+            self._beat(swarm)
+            self._refresh_peers(swarm)
+            if not self._user_paused:
+                reason = self._conditions_reason()
+                if not reason:
+                    break
+                self._pause_reason = reason
+            self._wake.wait(swarm.heartbeat_interval_s)
+            self._wake.clear()
+        if self.stop_event.is_set() or self._finish_requested:
+            self._build_worker()  # exit with the model loaded: the summary evaluates it
+            return
+        self.state = "syncing"
+        self._build_worker()
+        self._check_agreement(swarm, joining=True)  # the run may have moved on while we were away
+        self.state = "training"
+        log.info("resumed step=%d rounds=%s", self.worker.step, self.stats.rounds)
+
+    def run(self) -> dict:
+        """Train until stopped (``stop()``, Ctrl+C, a command, or ``max_rounds``); returns the summary."""
+        train = self.signed.manifest.train
+        swarm = self.signed.manifest.swarm
+        self._ckpt = self.cfg.data_dir / self.signed.run_id_text / "checkpoint"
+        self._corpus = None
+        self._build_worker()
+        worker = self.worker
+        self._wait_for_peers(swarm)
+        self._check_agreement(swarm, joining=True)  # late join, restart: catch up first
         schedule = worker.schedule
-        pending: dict[int, tuple[int, object, torch.Tensor]] = {}
+        pending: dict[int, tuple[int, object, torch.Tensor, int]] = {}
         last_beat = last_ckpt = 0.0
+        finish_at: int | None = None
         t_start = time.perf_counter()
         self.state = "training"
         while not self.stop_event.is_set():
+            if self._settings_changed:
+                self._apply_settings()
+            if finish_at is None and self._finish_requested:
+                finish_at = min(self.stats.rounds) + 1
+                self.state = "finishing"
+                log.info("finishing: stopping after round %d", finish_at - 1)
+            reason = self._pause_wanted() if finish_at is None else ""
+            if reason:
+                self._pause_reason = reason
+                self._pause(pending, swarm)
+                if self.stop_event.is_set():
+                    break
+                if self._finish_requested:
+                    break  # paused when asked to finish: nothing is in flight, so we are done
+                worker, last_beat = self.worker, 0.0
+                continue
             t0 = time.perf_counter()
-            loss = worker.forward_backward([sampler.next_batch() for _ in range(train.inner.grad_accum)])
+            loss = worker.forward_backward(self._micro_batches())
             worker.optimizer_step()
-            self.stats.inner_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.stats.inner_s += dt
+            self.stats.step_times.append(dt)
             step = worker.step
+            self.ledger.record_trained(train.inner.batch_size * train.inner.grad_accum * train.model.seq_len)
             if step % 10 == 0:
                 self.stats.losses.append((step, loss))
+                ev = LossMeasured(at=time.time(), step=step, split="train", loss=max(0.0, min(loss, 1e9)))
+                self._loss_history.append(ev)
+                self._emit(ev)
             for p in schedule.starts_after(step):
                 r = schedule.round_of(p, step)
                 delta, weight = worker.begin_sync(p)
-                pending[p] = (r, self.net.submit(self._average(p, r, delta, weight)), delta)
+                self._sync_started_at[p] = step
+                pending[p] = (r, self.net.submit(self._average(p, r, delta, weight)), delta, weight)
+                if self.state == "training":
+                    self.state = "averaging"
             for p in schedule.lands_after(step):
-                self._land(worker, p, pending.pop(p), swarm)
+                self._land(p, pending.pop(p), swarm)
                 self._publish_state(worker)
                 if p == len(worker.outer) - 1:  # the last fragment landed: a full round
-                    self._repair_due, self._alone_this_round = self._alone_this_round, False
+                    self._full_round(worker, last_ckpt)
                     if time.monotonic() - last_ckpt >= self.cfg.checkpoint_every_s:
                         last_ckpt = time.monotonic()
-                        save_checkpoint(ckpt, worker, sampler, run_id=self.run_id, rounds=self.stats.rounds)
+                        self._save()
+            if not pending and self.state == "averaging":
+                self.state = "training"
             now = time.monotonic()
             if now - last_beat >= swarm.heartbeat_interval_s:
                 last_beat = now
-                self._beat(worker, swarm)
+                self._beat(swarm)
+                self._refresh_peers(swarm)
                 if not pending:  # between rounds: nothing of ours is in flight
-                    self._check_agreement(worker, swarm)
+                    self._check_agreement(swarm)
+                    worker = self.worker
             if self.cfg.max_rounds is not None and min(self.stats.rounds) >= self.cfg.max_rounds:
                 break
-        self.state = "finishing"
+            if finish_at is not None and min(self.stats.rounds) >= finish_at:
+                break
+        self.state = "leaving" if self._leave_requested else "finishing"
         for p in sorted(pending):  # contribute what was started; never drop it silently
-            self._land(worker, p, pending.pop(p), swarm)
-        save_checkpoint(ckpt, worker, sampler, run_id=self.run_id, rounds=self.stats.rounds)
+            r, fut, _, _ = pending[p]
+            if self._leave_requested:  # leave now: the round in flight is abandoned, and we say so
+                fut.cancel()
+                log.warning("left the run: the sync of fragment %d round %d was abandoned", p, r)
+                self.ledger.record_sync(0, acknowledged=False)
+                continue
+            self._land(p, pending.pop(p), swarm)
+        worker = self.worker
+        self._save()
         wall = time.perf_counter() - t_start
-        eval_model = Transformer(train.model).to(device)
-        eval_model.load_state_dict(worker.global_state())
-        held = heldout_batches(corpus.heldout, train.model.seq_len, train.inner.batch_size, self.cfg.eval_batches)
+        heldout = self._evaluate(worker)
         return {
             "peer": self.identity.peer_id, "steps": worker.step, "tokens": worker.tokens,
             "rounds": min(self.stats.rounds) if self.stats.rounds else 0,
-            "heldout_loss": evaluate(eval_model, held, device), "bytes_sent": self.stats.bytes_sent,
+            "heldout_loss": heldout, "bytes_sent": self.stats.bytes_sent,
             "bytes_received": self.stats.bytes_received, "syncs": self.stats.syncs,
             "syncs_alone": self.stats.syncs_alone, "dropped_peers": self.stats.dropped_peers,
             "waited_s": round(self.stats.waited_s, 3), "inner_s": round(self.stats.inner_s, 3),
             "wall_s": round(wall, 3), "global_digest": global_digest(worker),
             "allreduce_s": [round(x, 3) for x in list(self.stats.allreduce_s)[-50:]],
         }
+
+    def _evaluate(self, worker: Worker) -> float:
+        """Held-out loss of the global model."""
+        train = self.signed.manifest.train
+        eval_model = Transformer(train.model).to(worker.device)
+        eval_model.load_state_dict(worker.global_state())
+        held = heldout_batches(self._corpus.heldout, train.model.seq_len, train.inner.batch_size,
+                               self.cfg.eval_batches)
+        return evaluate(eval_model, held, worker.device)
+
+    def _full_round(self, worker: Worker, last_ckpt: float) -> None:
+        self._repair_due, self._alone_this_round = self._alone_this_round, False
+        self.ledger.record_round()
+        every = self.cfg.eval_every_rounds
+        if every and min(self.stats.rounds) % every == 0:
+            loss = self._evaluate(worker)
+            self.stats.heldout.append((worker.step, loss))
+            ev = LossMeasured(at=time.time(), step=worker.step, split="heldout", loss=max(0.0, min(loss, 1e9)))
+            self._loss_history.append(ev)
+            self._emit(ev)
 
     async def _average(self, fragment: int, round_: int, delta: torch.Tensor, weight: float):
         """Form a group for (fragment, round) and all-reduce; None means average alone."""
@@ -230,28 +640,43 @@ class Node:
         for part in outcome.fallback_parts:
             start, end = bounds[part]
             outcome.average[start:end] = 0.0
-        return outcome
+        return outcome, len(group.members)
 
-    def _land(self, worker: Worker, fragment: int, item: tuple, swarm) -> None:
-        round_, fut, delta = item
+    def _land(self, fragment: int, item: tuple, swarm) -> None:
+        worker = self.worker
+        round_, fut, delta, weight = item
         t0 = time.perf_counter()
+        reason = ""
         try:
-            outcome = fut.result(timeout=swarm.matchmaking_timeout_s + swarm.allreduce_timeout_s + 30)
+            result = fut.result(timeout=swarm.matchmaking_timeout_s + swarm.allreduce_timeout_s + 30)
+            if result is None:
+                reason = "no group formed: averaged alone"
         except Exception as e:  # a failed round must not stop training: average alone
             log.warning("sync failed fragment=%d round=%d reason=%r; applying own update", fragment, round_, e)
-            outcome = None
-        self.stats.waited_s += time.perf_counter() - t0
+            result, reason = None, f"all-reduce failed: {e!r}"
+        waited = time.perf_counter() - t0
+        self.stats.waited_s += waited
         self.stats.syncs += 1
+        outcome = None if result is None else result[0]
         if outcome is None:
             self.stats.syncs_alone += 1
             self._alone_this_round = True
             avg = delta
+            self._remember(FragmentSyncFailed(at=time.time(), fragment=fragment, round=round_, reason=reason[:256]))
         else:
             avg = outcome.average
             self.stats.bytes_sent += outcome.bytes_sent
             self.stats.bytes_received += outcome.bytes_received
             self.stats.dropped_peers += len(outcome.dropped)
             self.stats.allreduce_s.append(outcome.elapsed_s)
+            size = result[1]
+            self._remember(FragmentSynced(
+                at=time.time(), fragment=fragment, round=round_, group_size=size,
+                contributors=max(1, size - len(outcome.dropped)), weight=float(weight),
+                duration_s=outcome.elapsed_s, waited_s=waited, bytes_sent=outcome.bytes_sent,
+                bytes_received=outcome.bytes_received))
+        self.stats.traffic.append((time.monotonic(), self.stats.bytes_sent, self.stats.bytes_received))
+        self.ledger.record_sync(int(weight), acknowledged=outcome is not None)
         worker.apply_outer(fragment, avg)
         self.stats.rounds[fragment] = round_ + 1
         last_loss = self.stats.losses[-1][1] if self.stats.losses else float("nan")
@@ -261,30 +686,32 @@ class Node:
                        "train_loss": round(last_loss, 4)})
         log.info("fragment synced fragment=%d round=%d alone=%s", fragment, round_, outcome is None)
 
-    def _wait_for_peers(self, worker: Worker, swarm) -> None:
+    def _wait_for_peers(self, swarm) -> None:
         if self.cfg.min_peers <= 1:
             return
         deadline = time.monotonic() + self.cfg.min_peers_wait_s
-        self._beat(worker, swarm)
+        self._beat(swarm)
         last_beat = time.monotonic()
         while not self.stop_event.is_set() and time.monotonic() < deadline:
             live = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=30)
+            self._update_peers(live)
             if len(live) >= self.cfg.min_peers:
                 return
             if time.monotonic() - last_beat >= swarm.heartbeat_interval_s:
-                self._beat(worker, swarm)
+                self._beat(swarm)
                 last_beat = time.monotonic()
             self.stop_event.wait(0.5)  # poll the DHT; Ctrl+C ends the wait at once
         log.warning("started with fewer peers than min_peers=%d after %.0f s", self.cfg.min_peers,
                     self.cfg.min_peers_wait_s)
 
-    def _check_agreement(self, worker: Worker, swarm, *, joining: bool = False) -> None:
+    def _check_agreement(self, swarm, *, joining: bool = False) -> None:
         """Catch up or repair. Download the state that peers vouch for if it is ahead of ours
         (when joining, by any round; while training, by two or more, since peers in lockstep
         differ by one for a moment after each round), then start our schedule where they are.
         Or, if at our rounds more peers vouch for another state than for ours (we averaged
         alone or with a minority), download theirs and keep our step. Nobody diverges silently."""
         peers = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=30)
+        self._update_peers(peers)
         peers.pop(self.identity.public_key, None)
         mine = min(self.stats.rounds, default=0)
         # behind by one round counts when joining, before our first download, or after we
@@ -295,7 +722,7 @@ class Node:
         choice = choose_digest(ahead)
         if choice is not None:
             log.info("peers are ahead of round %d; downloading their state", mine)
-            self._download(worker, swarm, choice[1], peers, fast_forward=True)
+            self._download(swarm, choice[1], peers, fast_forward=True)
             return
         if joining and not ahead:
             self._caught_up = True  # nobody is ahead of us: we start in step with the swarm
@@ -312,7 +739,7 @@ class Node:
         if len(choice[1]) > ours:
             log.warning("global state differs from %d peers at rounds %s; downloading theirs",
                         len(choice[1]), self.stats.rounds)
-            self._download(worker, swarm, choice[1], peers, fast_forward=False)
+            self._download(swarm, choice[1], peers, fast_forward=False)
 
     def _current_state(self, swarm, donors: list[str], newer_than: tuple[int, ...] | None = None,
                        wait_s: float = 0.0) -> tuple[bytes, list[str], tuple[int, ...]]:
@@ -344,11 +771,12 @@ class Node:
             if self.stop_event.wait(0.25):
                 raise StateSyncError("stopped")
 
-    def _download(self, worker: Worker, swarm, vouchers: list[bytes], peers: dict, *, fast_forward: bool) -> None:
+    def _download(self, swarm, vouchers: list[bytes], peers: dict, *, fast_forward: bool) -> None:
         """Download the global state that the most of ``vouchers`` serve now and load it. To catch
         up (``fast_forward``), take the state of the swarm's *next* landing: the swarm is already
         matching peers for the round in flight, and a state from before it would always leave us
         one round late. We idle for at most one round, then start in step with everyone."""
+        worker = self.worker
         previous = self.state
         self.state = "syncing"
         t0 = time.perf_counter()
@@ -359,6 +787,7 @@ class Node:
                 digest, serving, rounds = self._current_state(
                     swarm, serving, newer_than=rounds, wait_s=swarm.matchmaking_timeout_s + swarm.allreduce_timeout_s)
             self.on_event({"event": "syncing_state", "donors": len(serving)})
+            self._progress = (0.0, f"downloading the global state from {len(serving)} peers")
             state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, serving, digest,
                                               chunk_timeout_s=swarm.state_chunk_timeout_s),
                                   timeout=swarm.state_chunk_timeout_s * 8 + 60)
@@ -366,6 +795,16 @@ class Node:
             log.warning("state sync failed reason=%s; training from round %s", e, self.stats.rounds)
             self.state = previous if previous != "joining" else "training"
             return
+        finally:
+            self._progress = None
+        if fast_forward:
+            # what we trained since our latest contribution is replaced by the swarm's state:
+            # say so, and count it in the ledger (nothing is dropped silently)
+            dropped = worker.step - min(self._sync_started_at, default=worker.step)
+            if dropped > 0:
+                log.warning("dropped %d local inner steps trained since our last contribution: the run moved on "
+                            "to rounds %s while we were away", dropped, list(state.rounds))
+                self.ledger.record_dropped(dropped)
         apply(worker, state)
         self.stats.rounds = list(state.rounds)
         self.state_digest = digest
@@ -376,6 +815,7 @@ class Node:
             sched = worker.schedule
             next_sync = min(sched.offset(p) + r * sched.inner_steps for p, r in enumerate(state.rounds))
             worker.step = max(state.step, next_sync - 1)
+            self._sync_started_at = [worker.step] * len(worker.outer)
         else:
             worker.step = max(worker.step, state.step)
         self.state = previous if previous != "joining" else "training"
@@ -390,7 +830,7 @@ class Node:
         state = snapshot(worker, self.stats.rounds)
         self._publishing = self.net.submit(self.state_server.publish(state))
 
-    def _beat(self, worker: Worker, swarm) -> None:
+    def _beat(self, swarm) -> None:
         if self._publishing is not None and self._publishing.done():
             try:
                 self.state_digest = self._publishing.result()
@@ -398,14 +838,22 @@ class Node:
                 log.warning("could not serve the global state reason=%r", e)
             self._publishing = None
         now = time.time()
-        tput = worker.tokens / max(self.stats.inner_s, 1e-9)
-        hb = Heartbeat(run_id=self.run_id, sent_at=now, state=self.state, step=worker.step, tokens=worker.tokens,
-                       tokens_per_s=tput, rounds=tuple(self.stats.rounds), state_digest=self.state_digest, reachable=True,
-                       maddrs=tuple(self.net.visible_maddrs())[:8], client=f"swarmstream/{__version__}",
-                       device=str(worker.device))
+        w = self.worker
+        step = w.step if w else self._last_step()
+        tput = w.tokens / max(self.stats.inner_s, 1e-9) if w and self.state != "paused" else 0.0
+        try:
+            self._maddrs = self.net.visible_maddrs()
+        except Exception as e:
+            log.info("could not read our addresses reason=%r", e)
+        hb = Heartbeat(run_id=self.run_id, sent_at=now, state=self.state, step=step,
+                       tokens=self.ledger.credit.tokens_trained, tokens_per_s=tput, rounds=tuple(self.stats.rounds),
+                       state_digest=self.state_digest, reachable=self.reachability() == "direct",
+                       maddrs=tuple(self._maddrs)[:8], client=f"swarmstream/{__version__}",
+                       device=self._device_name() or "none")
         self.net.submit(self.presence.announce(hb, swarm.heartbeat_ttl_s))
         ad = RunAdvertised(run_id=self.run_id, sent_at=now, name=self.signed.manifest.name,
-                           num_params=self.signed.manifest.train.model.num_params(), peers=1, step=worker.step)
+                           num_params=self.signed.manifest.train.model.num_params(), peers=len(self._peers) + 1,
+                           step=step)
         self.net.submit(self.presence.advertise(ad, swarm.heartbeat_ttl_s))
 
     def stop(self) -> None:
@@ -418,6 +866,19 @@ class Node:
             except Exception as e:
                 log.warning("shutdown was not clean part=%s reason=%r", type(part).__name__, e)
         self.net.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Close the control socket and drop the identity lock (also when __init__ failed)."""
+        if self._log_handler is not None:
+            logging.getLogger().removeHandler(self._log_handler)
+            self._log_handler = None
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def install_signal_handlers(node: Node) -> None:
@@ -448,10 +909,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", type=Path, required=True)
     ap.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0")
     ap.add_argument("--initial-peers", nargs="*", default=[])
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", help="cpu, cuda, cuda:N, mps, auto (default: the settings file's)")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--min-peers", type=int, default=1, help="wait until this many peers are live")
     ap.add_argument("--checkpoint-every", type=float, default=120.0, help="seconds (0: every full round)")
+    ap.add_argument("--control", type=Path, default=None,
+                    help=f"the control socket to serve (default {paths.control_path()}; 'none' for none)")
+    ap.add_argument("--settings", type=Path, default=None, help=f"settings file (default {paths.settings_path()})")
+    ap.add_argument("--wait-for-confirm", action="store_true",
+                    help="start paused until the volunteer confirms in the dashboard (first run)")
+    ap.add_argument("--eval-every", type=int, default=1, help="held-out loss every N full rounds (0: never)")
     ap.add_argument("--log-level")
     args = ap.parse_args(argv)
     init_logging(args.log_level)
@@ -462,11 +929,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         addr = parse_run_address(args.address)
         run_id, initial = addr.run_id, initial + list(addr.bootstrap)
+    control = None if str(args.control) == "none" else (args.control or paths.control_path())
     cfg = NodeConfig(identity_path=args.identity, data_dir=args.data_dir, host_maddrs=(args.listen,),
                      initial_peers=tuple(initial), device=args.device, max_rounds=args.rounds,
-                     checkpoint_every_s=args.checkpoint_every, min_peers=args.min_peers)
-    node = Node(cfg, manifest_bytes=manifest_bytes, run_id=run_id,
-                on_event=lambda ev: print(json.dumps(ev), flush=True))
+                     checkpoint_every_s=args.checkpoint_every, min_peers=args.min_peers, control_path=control,
+                     settings_path=args.settings or paths.settings_path(), wait_for_confirm=args.wait_for_confirm,
+                     eval_every_rounds=args.eval_every)
+    try:
+        node = Node(cfg, manifest_bytes=manifest_bytes, run_id=run_id,
+                    on_event=lambda ev: print(json.dumps(ev), flush=True))
+    except (NodeAlreadyRunning, ControlError, ConfigError) as e:
+        print(f"swarmstream: error: {e}", file=sys.stderr)
+        return 2
     try:
         install_signal_handlers(node)
         print(json.dumps({"event": "listening", "peer": node.identity.peer_id,

@@ -125,6 +125,7 @@ class Tag(enum.IntEnum):
     FRAGMENT_SYNC_FAILED = 103
     LOSS_MEASURED = 104
     LOG_RECORDED = 105
+    PEER_UPDATED = 106
 
 
 class InvalidMessage(LocalProtocolError):

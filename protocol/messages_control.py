@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from protocol.messages import (
-    RUN_ID_BYTES, U32, U64, Bool, Bytes, Float, Int, Line, Message, Opt, PeerIdText, Rate, Seconds, Str, Tag,
-    UnixTime, Weight, message,
+    RUN_ID_BYTES, U32, U64, Bytes, DecodeError, Float, Int, InvalidMessage, Line, Message, Opt, PeerIdText, Rate,
+    Seconds, Str, Tag,
+    UnixTime, Weight, decode, encode, message,
 )
 from protocol.messages_swarm import PEER_STATES, Fragment, Round
 
@@ -27,6 +28,9 @@ NodeState = Annotated[str, Str(choices=PEER_STATES)]
 Loss = Annotated[float, Float(0.0, 1e9)]
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOSS_SPLITS = ("train", "heldout")
+REACHABILITY = ("unknown", "direct", "relayed", "unreachable")
+SettingsText = Annotated[str, Str(max_len=8192, multiline=True)]
+"""A settings file's TOML text (``protocol.settings``)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -84,17 +88,12 @@ class LeaveRun(Message):
 @message(Tag.UPDATE_SETTINGS)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class UpdateSettings(Message):
-    """Change volunteer limits; a field left ``None`` stays as it is."""
+    """Replace the volunteer's settings (the whole file, as ``protocol.settings`` renders it).
+    The node validates them, writes the file atomically, and applies what it can at once
+    (bandwidth caps, threads, schedule); the device applies at the next resume."""
 
     request_id: RequestId
-    max_upload_mbps: Annotated[float | None, Opt(Float(0.0, 1e6))] = None
-    """Upload cap in megabits per second; 0 removes the cap."""
-    max_download_mbps: Annotated[float | None, Opt(Float(0.0, 1e6))] = None
-    only_when_idle: Annotated[bool | None, Opt(Bool())] = None
-    only_on_ac_power: Annotated[bool | None, Opt(Bool())] = None
-    device: Annotated[str | None, Opt(Str(max_len=32))] = None
-    """``cpu``, ``cuda``, ``cuda:1``...; takes effect at the next resume."""
-    gpu_memory_fraction: Annotated[float | None, Opt(Float(0.05, 1.0))] = None
+    settings_toml: SettingsText
 
 
 # ---------------------------------------------------------------------------------------
@@ -141,10 +140,24 @@ class StatusReported(Message):
     download_bps: Rate
     uptime_s: Seconds
     device: Annotated[str, Str(max_len=64)]
-    max_upload_mbps: Annotated[float | None, Opt(Float(0.0, 1e6))]
-    max_download_mbps: Annotated[float | None, Opt(Float(0.0, 1e6))]
-    only_when_idle: Annotated[bool, Bool()]
-    only_on_ac_power: Annotated[bool, Bool()]
+    reachability: Annotated[str, Str(choices=REACHABILITY)]
+    inner_step_s: Seconds
+    """Mean wall time of the latest inner steps."""
+    progress: Annotated[float | None, Opt(Float(0.0, 1.0))]
+    """Progress of long work (a state download, a checkpoint write), or None."""
+    progress_label: Line
+    settings_path: Annotated[str, Str(max_len=4096)]
+    settings_toml: SettingsText
+    # the credit ledger (peer.credit): what we gave and what the swarm took
+    tokens_contributed: U64
+    """Tokens behind pseudo-gradients that made it into a group's average."""
+    fragments_contributed: U64
+    """Fragment syncs whose average included our slices (acknowledged by the group)."""
+    fragments_alone: U64
+    """Fragment syncs that found no group or failed: applied locally, not acknowledged."""
+    rounds_joined: U64
+    steps_dropped: U64
+    """Inner steps trained and then dropped because the run moved on (we were told so)."""
 
 
 @message(Tag.STATE_CHANGED)
@@ -173,6 +186,23 @@ class PeerLeft(Message):
     """"heartbeat expired", "dropped from round: timed out", "sent an invalid slice"..."""
 
 
+@message(Tag.PEER_UPDATED)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeerUpdated(Message):
+    """A row of the peers table, from a peer's latest heartbeat (our own included)."""
+
+    at: UnixTime
+    peer_id: PeerIdText
+    state: NodeState
+    device: Annotated[str, Str(max_len=64)]
+    tokens: U64
+    """Tokens this peer trained in the run: its contribution."""
+    tokens_per_s: Rate
+    rounds_done: U64
+    last_seen_at: UnixTime
+    """When its heartbeat was sent (its clock)."""
+
+
 @message(Tag.FRAGMENT_SYNCED)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FragmentSynced(Message):
@@ -186,6 +216,8 @@ class FragmentSynced(Message):
     """Members whose slices made it into the average (group_size minus the dropped)."""
     weight: Weight
     duration_s: Seconds
+    waited_s: Seconds
+    """How long training waited for this result (0 when it landed within tau steps)."""
     bytes_sent: U64
     bytes_received: U64
 
@@ -219,3 +251,33 @@ class LogRecorded(Message):
     level: Annotated[str, Str(choices=LOG_LEVELS)]
     logger: Annotated[str, Str(max_len=128)]
     text: Annotated[str, Str(max_len=4096, multiline=True)]
+
+
+# ---------------------------------------------------------------------------------------
+# Framing on the socket: a 4-byte big-endian length, then one encoded message.
+
+FRAME_HEADER_BYTES = 4
+MAX_CONTROL_FRAME = 64 << 10
+"""Largest control frame; a status with its settings text is about 10 KB."""
+COMMANDS = (GetStatus, SubscribeEvents, PauseTraining, ResumeTraining, FinishAndStop, LeaveRun, UpdateSettings)
+EVENTS = (StatusReported, StateChanged, PeerJoined, PeerLeft, PeerUpdated, FragmentSynced, FragmentSyncFailed,
+          LossMeasured, LogRecorded)
+
+
+def frame(msg: Message) -> bytes:
+    body = encode(msg)
+    if len(body) > MAX_CONTROL_FRAME:
+        raise InvalidMessage(f"a {type(msg).__name__} of {len(body)} bytes is over the control frame limit")
+    return len(body).to_bytes(FRAME_HEADER_BYTES, "big") + body
+
+
+def frame_length(header: bytes) -> int:
+    """The body length a frame header announces; refuses one over the limit before reading it."""
+    n = int.from_bytes(header, "big")
+    if n > MAX_CONTROL_FRAME:
+        raise DecodeError(f"control frame of {n} bytes announced; the limit is {MAX_CONTROL_FRAME}")
+    return n
+
+
+def unframe(body: bytes) -> Message:
+    return decode(body, max_size=MAX_CONTROL_FRAME)

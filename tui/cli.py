@@ -17,6 +17,7 @@ from protocol.errors import ProtocolError
 from tui import __version__
 from tui.run_command import add_run_parser
 from tui.swarm_commands import add_swarm_parsers
+from tui.node_commands import add_node_parsers
 
 
 class UsageError(Exception):
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_run_parser(sub)
     add_swarm_parsers(sub)
+    add_node_parsers(sub)
     return parser
 
 
@@ -163,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
 
     init_logging(args.log_level)
     if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
+        from tui.swarm_commands import open_dashboard
+
+        return open_dashboard()  # the running node's dashboard, or the Runs screen
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -1,14 +1,16 @@
 """``swarmstream demo``, ``join`` and ``runs``: the commands that put a node on the network.
 
-Nodes run as their own processes (``python -m peer.node``), as they will once the dashboard
-attaches to them; these commands start them and relay what they print. Until the dashboard
-exists, they run headless and print progress lines.
+Nodes run as their own processes (``python -m peer.node``) and the dashboard attaches to one
+over its control socket. ``join`` starts the node in the background (it keeps contributing
+when the dashboard closes) and opens the dashboard; ``demo`` starts a local swarm and opens
+the dashboard of its first peer. With ``--headless`` both print progress lines instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,10 +38,10 @@ def _progress(prefix: str, ev: dict) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from peer.demo import Demo, DemoError
 
-    if not args.headless:
-        print("swarmstream: the dashboard is not built yet; running headless", file=sys.stderr)
     if not 1 <= args.peers <= 16:
         return _fail("--peers must be between 1 and 16 on one machine")
+    if not args.headless:
+        return _demo_dashboard(args)
     demo = Demo(args.peers, args.rounds, workdir=args.workdir,
                 on_event=lambda i, ev: _progress(f"[peer {i}] ", ev))
     print(f"starting {args.peers} peers on 127.0.0.1 (tiny model, stdlib corpus, Streaming DiLoCo); "
@@ -58,6 +60,65 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if not summary["errors"] else 1
 
 
+def _demo_dashboard(args: argparse.Namespace) -> int:
+    """The demo with the dashboard of peer 0; quitting the dashboard stops the local swarm."""
+    from peer.demo import Demo, DemoError
+
+    demo = Demo(args.peers, args.rounds, workdir=args.workdir)
+    print(f"starting {args.peers} peers on 127.0.0.1 (files in {demo.dir}); the dashboard opens when the first "
+          "one is up ...", file=sys.stderr, flush=True)
+    try:
+        demo.start()
+        code = open_dashboard(demo.control_path(0), start_screen="dashboard")
+    except DemoError as e:
+        demo.stop()
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        code = 130
+    print("swarmstream: stopping the demo peers ...", file=sys.stderr, flush=True)
+    demo.stop()
+    summary = demo.wait()
+    print(json.dumps(summary))
+    return code or (0 if not summary["errors"] else 1)
+
+
+def open_dashboard(control: Path | None = None, **kwargs) -> int:
+    """Run the dashboard against the node at ``control`` (default: the volunteer's node). With
+    no node there, it opens on the Runs screen, from which joining starts one."""
+    from peer import paths
+    from tui.dashboard import run_dashboard
+
+    bootstrap = os.environ.get("SWARMSTREAM_BOOTSTRAP", "").split()
+
+    async def start_node(address: str) -> None:
+        import asyncio
+
+        from tui.node_commands import start_background_node
+
+        await asyncio.to_thread(start_background_node, address, control=control)
+
+    async def list_runs() -> list[dict]:
+        import asyncio
+
+        from protocol.manifest import RunAddress, parse_run_id
+
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tui.cli", "runs", "--json", "--initial-peers", *bootstrap,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(err.decode(errors="replace").strip().splitlines()[-1:] or "listing failed")
+        rows = json.loads(out)
+        for r in rows:
+            r["address"] = str(RunAddress(parse_run_id(r["run_id"]), tuple(bootstrap[:1])))
+            r["num_params"] = r.pop("params")
+            r.setdefault("peers", 0)
+        return rows
+
+    control = control or paths.control_path()
+    return run_dashboard(control, list_runs=list_runs if bootstrap else None, start_node=start_node, **kwargs)
+
+
 # --- join ----------------------------------------------------------------------------
 
 
@@ -68,19 +129,29 @@ def cmd_join(args: argparse.Namespace) -> int:
         address = parse_run_address(args.address)
     except InvalidAddress as e:
         return _fail(str(e))
-    if not args.headless:
-        print("swarmstream: the dashboard is not built yet; running headless", file=sys.stderr)
     if not address.bootstrap and not args.initial_peers:
         return _fail("no peer to join through: paste a full address RUN_ID@MULTIADDR or add --initial-peers")
-    from peer.identity_store import default_identity_path
+    from peer import paths
 
-    identity = args.identity or default_identity_path()
-    data_dir = args.data_dir or default_identity_path().parent / "runs"  # beside the key, in the data dir
-    cmd = [sys.executable, "-m", "peer.node", "--address", str(address), "--identity", str(identity),
-           "--data-dir", str(data_dir), "--listen", args.listen, "--device", args.device,
-           "--initial-peers", *args.initial_peers]
+    identity = args.identity or paths.identity_path()
+    data_dir = args.data_dir or paths.data_dir() / "runs"  # beside the key, in the data dir
+    extra = ["--initial-peers", *args.initial_peers] + (["--device", args.device] if args.device else [])
     if args.rounds is not None:
-        cmd += ["--rounds", str(args.rounds)]
+        extra += ["--rounds", str(args.rounds)]
+    if not args.headless:  # in the background, with the dashboard attached
+        from tui.control_client import ControlError
+        from tui.node_commands import start_background_node
+
+        print(f"starting a node for run {format_run_id(address.run_id)} in the background ...", file=sys.stderr,
+              flush=True)
+        try:
+            control = start_background_node(str(address), identity=identity, data_dir=data_dir,
+                                            listen=args.listen, extra=extra)
+        except ControlError as e:
+            return _fail(str(e))
+        return open_dashboard(control, start_screen="dashboard")
+    cmd = [sys.executable, "-m", "peer.node", "--address", str(address), "--identity", str(identity),
+           "--data-dir", str(data_dir), "--listen", args.listen, *extra]
     if args.log_level:
         cmd += ["--log-level", args.log_level]
     print(f"joining run {format_run_id(address.run_id)}; checkpoints in {data_dir}", file=sys.stderr, flush=True)
@@ -161,7 +232,7 @@ def add_swarm_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, help="stop after R rounds of every fragment")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
     p.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", help="listen multiaddr (default all interfaces)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:N, mps (default: your settings)")
     p.add_argument("--identity", type=Path, help="key file (default: your swarmstream identity)")
     p.add_argument("--data-dir", type=Path, help="checkpoint folder (default: your swarmstream data dir)")
     p.set_defaults(func=cmd_join)

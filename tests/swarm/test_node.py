@@ -2,13 +2,13 @@
 
 import math
 import os
-import queue
 import signal
 import time
 
 import pytest
 
 from peer.demo import Demo
+from swarm_util import Events
 from peer.identity_store import load_or_create_identity
 from peer.network import Network, NetworkConfig
 from peer.presence import Presence
@@ -17,51 +17,6 @@ from protocol.identity import public_key_from_peer_id
 from protocol.manifest import open_manifest
 
 pytestmark = pytest.mark.swarm
-
-
-class Events:
-    """Every JSON line the demo's peers print, as (peer index, event) on a queue."""
-
-    def __init__(self):
-        self.q: queue.Queue = queue.Queue()
-        self.seen: list[tuple[int, dict]] = []
-
-    def __call__(self, i: int, ev: dict) -> None:
-        self.q.put((i, ev))
-
-    def wait_for(self, pred, timeout: float = 120.0) -> tuple[int, dict]:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no matching event within {timeout} s; saw {self.seen[-5:]}")
-            try:
-                item = self.q.get(timeout=left)
-            except queue.Empty:
-                continue
-            self.seen.append(item)
-            if pred(*item):
-                return item
-
-    def drain(self) -> list[tuple[int, dict]]:
-        while True:
-            try:
-                self.seen.append(self.q.get_nowait())
-            except queue.Empty:
-                return self.seen
-
-
-@pytest.fixture
-def demos():
-    started: list[Demo] = []
-    yield started
-    for d in started:
-        for p in d.procs.values():
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the node and its libp2p daemon
-            except ProcessLookupError:
-                pass
-            p.wait()
 
 
 def synced_digests(events) -> dict[tuple[int, int], set[str]]:

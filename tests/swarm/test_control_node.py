@@ -1,0 +1,82 @@
+"""A real node driven through its control socket: status, pause, resume, finish-then-stop,
+and one node per identity. Two `python -m peer.node` processes on 127.0.0.1 (via peer.demo)."""
+
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from peer.demo import Demo
+from protocol.messages_control import GetStatus, PauseTraining, ResumeTraining
+from swarm_util import Events
+from tui.cli import main as cli_main
+from tui.control_client import ControlError, call
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+
+
+def wait_status(sock, pred, timeout=90.0):
+    """Poll the node's status until ``pred`` holds (bounded; fails with the last status)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = call(sock, GetStatus)
+        if pred(st):
+            return st
+        assert time.monotonic() < deadline, f"status never matched; last: state={st.state} step={st.step}"
+        time.sleep(0.2)  # polling a live process for a condition, bounded by the deadline
+
+
+def test_pause_releases_the_model_resume_catches_up_and_stop_finishes_the_round(demos, capsys):
+    workdir = Path(tempfile.mkdtemp(prefix="ss-ctl-", dir="/tmp"))  # short: unix socket paths
+    events = Events()
+    demo = Demo(2, rounds=None, workdir=workdir, on_event=events)
+    demos.append(demo)
+    demo.start()
+    sock = demo.control_path(0)
+    events.wait_for(lambda i, ev: i == 0 and ev.get("event") == "synced" and not ev["alone"])
+
+    st = call(sock, GetStatus)
+    assert st.state in ("training", "averaging") and st.step > 0 and st.peers == 2
+    assert st.run_name == "local demo" and st.reachability == "direct" and st.device == "cpu"
+    assert st.fragments_contributed >= 1 and st.tokens >= st.tokens_contributed > 0  # the credit ledger
+
+    # one node per identity: a second one on peer 0's key is refused with a one-line error
+    second = subprocess.run([sys.executable, "-m", "peer.node", "--address", demo.address, "--identity",
+                             str(workdir / "peer0.key"), "--data-dir", str(workdir / "x"), "--control",
+                             str(workdir / "x.sock"), "--settings", str(workdir / "peer0.toml")],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2 and "already runs with the identity" in second.stderr
+
+    # pause: what is in flight is contributed, the model is dropped, the step stands still
+    call(sock, PauseTraining)
+    paused = wait_status(sock, lambda s: s.state == "paused")
+    assert paused.pause_reason == "paused by you" and paused.device == "released (paused)"
+    with pytest.raises(ControlError, match="already paused"):
+        call(sock, PauseTraining)
+    # nobody waits for a paused peer: peer 1 lands two more rounds of fragment 1 meanwhile
+    _, ev = events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "synced" and ev["fragment"] == 1)
+    events.wait_for(lambda i, e: i == 1 and e.get("event") == "synced" and e["fragment"] == 1
+                    and e["round"] >= ev["round"] + 1)
+    assert call(sock, GetStatus).step == paused.step
+
+    # resume: the run moved on, so peer 0 downloads the swarm's state and averages with it again
+    call(sock, ResumeTraining)
+    events.wait_for(lambda i, ev: i == 0 and ev.get("event") == "state_synced")
+    events.wait_for(lambda i, ev: i == 0 and ev.get("event") == "synced" and not ev["alone"])
+    st = wait_status(sock, lambda s: s.state in ("training", "averaging"))
+    assert st.step > paused.step and st.device == "cpu"
+
+    # finish-then-stop from the command line: the node contributes its round, then exits cleanly
+    rounds_before = st.rounds_done
+    assert cli_main(["stop", "--control", str(sock), "--wait"]) == 0
+    assert "finishing" in capsys.readouterr().out
+    assert demo.procs[0].wait(60) == 0
+    _, summary = events.wait_for(lambda i, ev: i == 0 and ev.get("event") == "summary", timeout=10)
+    assert summary["rounds"] >= rounds_before + 1 and math.isfinite(summary["heldout_loss"])
+    assert not sock.exists()  # the socket is removed on exit
+    assert cli_main(["status", "--control", str(sock)]) == 1
+    assert "no swarmstream node is running" in capsys.readouterr().err
