@@ -21,7 +21,8 @@ from typing import Any, Awaitable, Callable, TypeVar
 from hivemind.dht.node import DHTNode
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import P2P, P2PDaemonError
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
+from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 
 from peer.identity_store import load_or_create_identity
@@ -171,6 +172,29 @@ class Network:
         assert self.p2p is not None
         maddrs = self.call(self.p2p.get_visible_maddrs(), timeout=10)
         return [str(m) if "/p2p/" in str(m) else f"{m}/p2p/{self.peer_id}" for m in maddrs]
+
+    async def reconnect(self) -> bool | None:
+        """If we lost every peer (a network outage, a laptop asleep), dial the bootstrap peers
+        again and ping them back into the DHT's routing table. None: we still have peers (or no
+        bootstrap peers to go back to); True/False: whether any bootstrap peer answered."""
+        assert self.p2p is not None and self.dht is not None
+        if not self.cfg.initial_peers or await self.p2p.list_peers():
+            return None
+        ok = False
+        for text in self.cfg.initial_peers:
+            try:
+                maddr = Multiaddr(text)
+                peer = PeerID.from_base58(maddr["p2p"])
+                # hivemind has no public "dial"; its own bootstrap check uses the daemon client too
+                await self.p2p._client.connect(peer, [maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}"))])
+                ok = await self.dht.protocol.call_ping(peer) is not None or ok
+            except Exception as e:  # a dead bootstrap peer is the common case here
+                log.info("bootstrap peer did not answer peer=%s reason=%r", text, e)
+        if ok:  # refill the routing table around our own ID, as a fresh start does
+            await self.dht.find_nearest_nodes([self.dht.node_id])
+        log.warning("lost every peer; %s", "reconnected through the bootstrap peers" if ok else
+                    "no bootstrap peer answered, will try again")
+        return ok
 
     def num_peers(self) -> int:
         assert self.p2p is not None

@@ -203,6 +203,7 @@ class Node:
         # what the dashboard sees on subscribing
         self._peers: dict[bytes, Heartbeat] = {}
         self._peers_future: Any = None
+        self._reconnecting: Any = None
         self._recent: deque[Message] = deque(maxlen=300)
         self._loss_history: deque[Message] = deque(maxlen=400)
         self.upload_limiter, self.download_limiter = RateLimiter(), RateLimiter()
@@ -382,6 +383,8 @@ class Node:
             self._peers_future = None
         if self._peers_future is None:
             self._peers_future = self.net.submit(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s))
+        if not self._peers and (self._reconnecting is None or self._reconnecting.done()):
+            self._reconnecting = self.net.submit(self.net.reconnect())  # alone: maybe we lost the network
 
     def _update_peers(self, live: dict[bytes, Heartbeat]) -> None:
         live = {k: hb for k, hb in live.items() if k != self.identity.public_key}

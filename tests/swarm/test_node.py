@@ -123,3 +123,22 @@ def test_ctrl_c_stops_a_node_within_seconds_with_its_work_saved_and_no_daemon_le
     with pytest.raises(ProcessLookupError):  # nothing of that node's process group is left: no p2pd
         os.killpg(node.pid, 0)
     assert list(tmp_path.glob("peer1/*/checkpoint/meta.json")), "the node checkpointed what it trained"
+
+
+def test_a_peer_that_lost_every_peer_reconnects_through_its_bootstrap_peer(tmp_path, demos):
+    import socket
+
+    with socket.socket() as s:  # a free port, so the bootstrap peer can come back at the same address
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    events = Events()
+    demo = Demo(2, rounds=None, workdir=tmp_path, on_event=events, listen={0: f"/ip4/127.0.0.1/tcp/{port}"})
+    demos.append(demo)
+    demo.start()
+    events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "synced" and not ev["alone"])
+    demo.kill(0)  # the bootstrap peer (peer 1's only peer) vanishes
+    events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "synced" and ev["alone"])
+    demo._spawn(0, ["--manifest", str(tmp_path / "demo.swarmrun")])  # back, at the same address
+    _, ev = events.wait_for(lambda i, ev: i == 0 and ev.get("event") == "state_synced")
+    events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "synced" and not ev["alone"])
+    assert "reconnected through the bootstrap peers" in (tmp_path / "peer1.log").read_text()
