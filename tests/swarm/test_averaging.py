@@ -69,7 +69,11 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
             if cmd == "stop":
                 break
             logs.lines.clear()
-            if cmd == "allreduce":
+            if cmd == "cap":  # the volunteer's bandwidth caps, bytes per second
+                av.upload.set_rate(args[0])
+                av.download.set_rate(args[1])
+                out_q.put(("capped",))
+            elif cmd == "allreduce":
                 fields, seed, behaviour = args
                 group = Group(**fields)
                 vec = make_vector(seed, group.numel)
@@ -332,3 +336,23 @@ def test_matchmaking_puts_five_peers_in_consistent_bounded_groups_and_a_lone_pee
     peers[0].cmd.put(("match", 3, 2, 3.0, 500, weights[0]))  # nobody else is ready for round 3
     kind, fields, _ = peers[0].reply()
     assert kind == "matched" and fields is None
+
+
+def test_bandwidth_caps_hold_the_averaging_streams_to_the_volunteers_rate(swarm):
+    a, b = swarm(2)
+    numel = 1_000_000  # fp32: each peer sends 2 MB of its push and 2 MB of its mean
+    rate = 2e6  # bytes per second, upload of peer a only
+    a.cmd.put(("cap", rate, 0.0))
+    assert a.reply()[0] == "capped"
+    fields = group_fields([a, b], [1.0, 1.0], "fp32", b"\x07" * 16, deadline_s=30.0, numel=numel)
+    for i, p in enumerate((a, b)):
+        p.cmd.put(("allreduce", fields, i, "honest"))
+    out_a, out_b = a.reply(60), b.reply(60)
+    assert out_a[0] == out_b[0] == "done" and out_a[1] == out_b[1]  # still the same, correct average
+    expected = (make_vector(0, numel) + make_vector(1, numel)) / 2
+    assert torch.allclose(torch.frombuffer(bytearray(out_a[1]), dtype=torch.float32), expected, atol=1e-6)
+    sent, elapsed = out_a[4], out_a[5]
+    burst = rate * 0.25  # what the bucket lets through at once
+    print(f"capped peer sent {sent / 1e6:.2f} MB in {elapsed:.2f} s (cap {rate / 1e6:.1f} MB/s); "
+          f"uncapped peer took {out_b[5]:.2f} s")
+    assert sent >= 4e6 and elapsed >= (sent - burst) / rate * 0.9, "the cap was not enforced"
