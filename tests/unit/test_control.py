@@ -107,3 +107,25 @@ def test_a_socket_path_that_is_too_long_is_refused_with_what_to_do():
     with pytest.raises(ServerControlError, match="--control"):
         ControlServer(Path("/tmp/" + "x" * 120) / "node.sock", None).start()  # type: ignore[arg-type]
     assert os.path.exists("/tmp")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user (CI runs as root)")
+def test_another_user_cannot_connect(sock):
+    with FakeNode(sock):
+        pid = os.fork()
+        if pid == 0:  # the child becomes user "nobody" and tries the socket
+            code = 3
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                s = socket.socket(socket.AF_UNIX)
+                try:
+                    s.connect(str(sock))
+                    code = 1  # connected: the permissions failed
+                except PermissionError:
+                    code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "another user could connect to the control socket"
+        assert call(sock, PauseTraining).__class__.__name__ == "CommandAccepted"  # the owner still can
