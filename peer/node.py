@@ -593,6 +593,7 @@ class Node:
             self._land(p, pending.pop(p), swarm)
         worker = self.worker
         self._save()
+        self.ledger.save()
         wall = time.perf_counter() - t_start
         heldout = self._evaluate(worker)
         return {
