@@ -27,6 +27,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from peer.identity_store import load_or_create_identity
 from protocol.envelope import verify
+from protocol.manifest import RunManifest
 from protocol.errors import RemoteProtocolError
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ class RecordOwnerValidator(RecordValidatorBase):
     Every map record of ours has a ``bytes`` subkey ending in the writer's public key (its
     key, or run ID + key) and a signed envelope as value. Honest nodes check both before they
     store a record for someone or return one to us, so nobody can overwrite another peer's
-    heartbeat or advertisement. (Without this, hivemind stores whatever arrives; and one
+    heartbeat or advertisement; the one exception is a run manifest, signed by the run's
+    creator and republished by each of its peers. (Without this, hivemind stores whatever arrives; and one
     ``int`` subkey next to ``bytes`` ones even breaks later stores of that key, because its
     expiration heap compares subkeys.) Which message type a slot must hold, and for which
     run, is checked on read in ``peer.presence``, where it is known.
@@ -61,9 +63,15 @@ class RecordOwnerValidator(RecordValidatorBase):
         if not (isinstance(subkey, bytes) and 32 <= len(subkey) <= 64 and isinstance(value, bytes)):
             return False
         try:
-            return verify(value).signer == subkey[-32:]
+            checked = verify(value)
         except RemoteProtocolError:
             return False
+        if checked.signer == subkey[-32:]:
+            return True
+        # A run's manifest is signed by its creator and republished by every peer of the run,
+        # each under its own slot; it is checked against the run ID (its hash) on read, so a
+        # copy in someone else's slot can only be the same manifest.
+        return isinstance(checked.message, RunManifest) and len(subkey) == 32
 
 
 class NetworkError(Exception):
