@@ -16,12 +16,12 @@ def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=Path(__file__).resolve().parent)
-        commit = out.stdout.strip() or "unknown"
+        commit = out.stdout.strip() or os.environ.get("BENCH_COMMIT", "unknown")
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
         return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    except (OSError, subprocess.SubprocessError):  # no git here (a copy of the tree on another machine)
+        return os.environ.get("BENCH_COMMIT", "unknown")
 
 
 def machine() -> dict:

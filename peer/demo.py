@@ -49,12 +49,14 @@ def demo_manifest(peers: int, identity_path: Path) -> bytes:
 class Demo:
     def __init__(self, peers: int, rounds: int | None, workdir: Path | None = None,
                  on_event: Callable[[int, dict], None] | None = None, checkpoint_every_s: float = 120.0,
-                 envs: dict[int, dict[str, str]] | None = None, listen: dict[int, str] | None = None):
+                 envs: dict[int, dict[str, str]] | None = None, listen: dict[int, str] | None = None,
+                 manifest: bytes | None = None, device: str = "cpu"):
         if peers < 1:
             raise DemoError("a demo needs at least one peer")
         self.peers, self.rounds, self.checkpoint_every_s = peers, rounds, checkpoint_every_s
         self.envs = envs or {}  # per-peer extra environment (fault injection in tests)
         self.listen = listen or {}  # per-peer listen multiaddr (default 127.0.0.1, any port)
+        self.manifest, self.device = manifest, device  # another run than the demo's (benchmarks)
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="swarmstream-demo-"))
         self.on_event = on_event or (lambda i, ev: None)
         self.procs: dict[int, subprocess.Popen] = {}
@@ -69,7 +71,7 @@ class Demo:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
         cmd = [sys.executable, "-m", "peer.node", *source, "--identity", str(self.dir / f"peer{i}.key"),
                "--data-dir", str(self.dir / f"peer{i}"), "--listen", self.listen.get(i, LOCALHOST),
-               "--device", "cpu"]
+               "--device", self.device]
         cmd += ["--checkpoint-every", str(self.checkpoint_every_s)]
         # each peer has its own control socket (the dashboard attaches to one) and settings; the
         # demo trains on this machine only, so there is nothing for the volunteer to confirm
@@ -114,7 +116,7 @@ class Demo:
 
     def start(self) -> None:
         manifest_path = self.dir / "demo.swarmrun"
-        manifest_path.write_bytes(demo_manifest(self.peers, self.dir / "peer0.key"))
+        manifest_path.write_bytes(self.manifest or demo_manifest(self.peers, self.dir / "peer0.key"))
         run_id = open_manifest(manifest_path.read_bytes()).run_id
         self._spawn(0, ["--manifest", str(manifest_path)], self.envs.get(0))
         if not self._listening.wait(90) or not self._first_maddrs:

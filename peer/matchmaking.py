@@ -38,6 +38,16 @@ leaders may name the same peer; it follows the leader ranked first (the same rul
 peer), and the other group's all-reduce drops the missing member at its deadline. A peer
 named by nobody returns ``None`` and keeps its own value this round.
 
+Phase: peers in step meet because a shared all-reduce ends at the same moment for all of
+them. Peers that drifted apart in time (a pause, a restart, a slow step) by more than ``gap``
+land in separate batches, average alone, and, with equal round times, would stay apart for
+ever. So a peer that averaged alone looks, at its next round of that fragment, at when the
+others joined the round it spent alone (``align_delay``): if they joined later, it waits that
+long (at most ``T``) before joining, and the two meet from then on (any group we form, of
+any fragment, puts us back in step, and clears what we noted). Only the peer ahead
+waits; one behind cannot speed up, and is brought back in step by the node's repair (it
+downloads the majority's state at the swarm's next landing).
+
 Checked on read: signature, message type, run, fragment and round (the signed context), that
 the subkey is the signer, numel, codec and deadline against ours, that a group's leader is its
 first member and its ID is the hash of its members, and a join time not in the future beyond
@@ -162,6 +172,7 @@ class Matchmaker:
         self.span_s = SPAN_FRACTION * t
         self.settle_s = min(SETTLE_FRACTION * t, SETTLE_MAX_S)
         self.join_ttl_s = JOIN_TTL_FACTOR * t
+        self._alone: dict[int, tuple[int, float]] = {}  # fragment -> (round, our join time) we averaged alone
 
     def _reject(self, writer: Any, kind: str, err: Exception) -> None:
         who = peer_id_from_public_key(writer) if isinstance(writer, bytes) and len(writer) == KEY_BYTES \
@@ -231,9 +242,23 @@ class Matchmaker:
         return min(ours, key=lambda f: rank(seed, f.members[0]), default=None)
 
     def _group(self, f: GroupFormed) -> Group:
+        self._alone.clear()  # we are in step with a group again: old offsets no longer apply
         return Group(run_id=self.run_id, fragment=f.fragment, round=f.round, group_id=bytes(f.group_id),
                      members=tuple(bytes(m) for m in f.members), weights=tuple(f.weights), numel=f.numel,
                      codec=f.codec, deadline_s=f.deadline_s)
+
+    async def align_delay(self, fragment: int, round: int, numel: int, *,
+                          now: Callable[[], float] = get_dht_time) -> float:
+        """How long to wait before joining ``round`` so as to meet the peers that joined our
+        previous, lonely round of this fragment later than we did (0: we were not alone, or
+        nobody came later). Bounded by ``matchmaking_timeout_s``."""
+        alone = self._alone.pop(fragment, None)
+        if alone is None or alone[0] != round - 1:
+            return 0.0
+        joins = await self._read_joins(fragment, round - 1, numel, now())
+        me = self.identity.public_key
+        later = [j.joined_at - alone[1] for k, j in joins.items() if k != me and j.joined_at > alone[1]]
+        return min(max(later), self.swarm.matchmaking_timeout_s) if later else 0.0
 
     async def form_group(self, fragment: int, round: int, weight: float, numel: int, codec: str, *,
                          now: Callable[[], float] = get_dht_time) -> Group | None:
@@ -285,5 +310,6 @@ class Matchmaker:
                 return self._group(found)
             if now() >= deadline:
                 log.info("no group fragment=%d round=%d: averaging alone this round", fragment, round)
+                self._alone[fragment] = (round, t_me)
                 return None
             await asyncio.sleep(max(0.0, min(self.poll_s, deadline - now())))

@@ -23,6 +23,7 @@ similar speed average together; a much slower peer finds no group and averages a
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import fcntl
 import gc
@@ -630,6 +631,11 @@ class Node:
     async def _average(self, fragment: int, round_: int, delta: torch.Tensor, weight: float):
         """Form a group for (fragment, round) and all-reduce; None means average alone."""
         codec = self.signed.manifest.train.sync.codec
+        delay = await self.matchmaker.align_delay(fragment, round_, delta.numel())
+        if delay > 0:  # we are ahead of peers we missed last round: meet them this time
+            log.info("waiting to meet peers that reach this round later fragment=%d round=%d delay_s=%.2f",
+                     fragment, round_, delay)
+            await asyncio.sleep(delay)
         group = await self.matchmaker.form_group(fragment, round_, float(weight), delta.numel(), codec)
         if group is None:
             return None
@@ -735,15 +741,19 @@ class Node:
         same = {k: hb.state_digest for k, hb in peers.items()
                 if hb.state_digest and tuple(hb.rounds) == tuple(self.stats.rounds)}
         same[self.identity.public_key] = self.state_digest
-        choice = choose_digest(same)
+        # the most vouched-for state wins; a tie goes to the smallest digest, the same choice on
+        # every peer, so two peers that each averaged alone converge on one of their states
+        choice = choose_digest(same, min_vouchers=1)
         if choice is None or choice[0] == self.state_digest:
             return
         ours = sum(1 for d in same.values() if d == self.state_digest)
         self._repair_due = False
-        if len(choice[1]) > ours:
+        if len(choice[1]) >= ours:
             log.warning("global state differs from %d peers at rounds %s; downloading theirs",
                         len(choice[1]), self.stats.rounds)
-            self._download(swarm, choice[1], peers, fast_forward=False)
+            # fast-forward: take their next landing and start right before their next sync, so
+            # we are back in step with them in time too, not only in state
+            self._download(swarm, choice[1], peers, fast_forward=True)
 
     def _current_state(self, swarm, donors: list[str], newer_than: tuple[int, ...] | None = None,
                        wait_s: float = 0.0) -> tuple[bytes, list[str], tuple[int, ...]]:
@@ -939,9 +949,14 @@ def main(argv: list[str] | None = None) -> int:
                      checkpoint_every_s=args.checkpoint_every, min_peers=args.min_peers, control_path=control,
                      settings_path=args.settings or paths.settings_path(), wait_for_confirm=args.wait_for_confirm,
                      eval_every_rounds=args.eval_every)
+    def print_event(ev: dict) -> None:
+        try:
+            print(json.dumps(ev), flush=True)
+        except BrokenPipeError:  # whoever read our events is gone; the node trains on
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
     try:
-        node = Node(cfg, manifest_bytes=manifest_bytes, run_id=run_id,
-                    on_event=lambda ev: print(json.dumps(ev), flush=True))
+        node = Node(cfg, manifest_bytes=manifest_bytes, run_id=run_id, on_event=print_event)
     except (NodeAlreadyRunning, ControlError, ConfigError) as e:
         print(f"swarmstream: error: {e}", file=sys.stderr)
         return 2
