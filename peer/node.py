@@ -424,7 +424,10 @@ class Node:
             torch.cuda.set_per_process_memory_fraction(compute.gpu_memory_fraction, device)
         if self._corpus is None:
             self._corpus = load_corpus(train.data, train.model.vocab_size)
-        worker = Worker(train, device=device)
+        # bf16 autocast where the GPU supports it: the inner steps are ~2x faster, and the outer
+        # state (fragments, pseudo-gradients) stays fp32 either way
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        worker = Worker(train, device=device, bf16=bf16)
         sampler = ShardSampler(self._corpus.train, train.model.seq_len, train.inner.batch_size, train.data.seed,
                                self.identity.public_key)
         rounds = [0] * len(worker.outer)
