@@ -59,6 +59,9 @@ Joiner (``fetch_state``)
    broken stream) goes back to the queue, and its donor is not asked again during this fetch.
    A busy donor is retried after a backoff (0.2 s, doubling, at most ``chunk_timeout_s``) while
    other donors carry on; after ``MAX_BUSY_RETRIES`` busy answers in a row it is dropped too.
+   A donor that is busy because it already serves *us* on other sessions (``parallel`` above
+   its ``max_concurrent``) is not held against it: the surplus task hands its chunk back and
+   ends, and the sessions it allows carry on.
 4. When every donor is dropped, ``StateSyncError`` says which chunk was left and why each
    donor failed; the caller may pick a fresh digest from heartbeats and try again.
 5. The assembled blob is parsed (names, sizes and padding checked) into a ``GlobalState``.
@@ -521,18 +524,29 @@ async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[
     if count == 0:
         finished.set_result(None)
 
+    serving_us: dict[str, int] = {}  # donor -> our sessions it is serving now
+
     async def download(k: int) -> None:
         donor: str | None = None
         session: _Session | None = None
+        counted = False  # this task's session is one of serving_us[donor]
+
+        def close() -> None:
+            nonlocal session, counted
+            if session is not None:
+                session.close()
+                session = None
+            if counted:
+                serving_us[donor] -= 1
+                counted = False
+
         try:
             while True:
                 i = await todo.get()
                 length = min(size, total - i * size)
                 while True:
                     if donor is None or donor in stats.dropped:
-                        if session is not None:
-                            session.close()
-                            session = None
+                        close()
                         donor = await pool.pick(k)
                         if donor is None:
                             if not finished.done():
@@ -553,13 +567,24 @@ async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[
                         if len(got.payload) != length or v.payload_digest != index.chunk_digests[i]:
                             raise _DonorFailed("does not match the index (bad data)")
                     except _Busy:
+                        if serving_us.get(donor, 0) > 0:
+                            # it serves us on other sessions already, up to its limit: this task is
+                            # one too many for it, not a sign of trouble. Hand the chunk back and end.
+                            close()
+                            todo.put_nowait(i)
+                            return
+                        close()
                         pool.busy(donor)
                         donor = None
                         continue
                     except _DonorFailed as e:
+                        close()
                         pool.drop(donor, f"chunk {i}: {e}")
                         donor = None
                         continue
+                    if not counted:
+                        serving_us[donor] = serving_us.get(donor, 0) + 1
+                        counted = True
                     blob[i * size:i * size + length] = got.payload
                     pool.served(donor)
                     stats.chunks[donor] = stats.chunks.get(donor, 0) + 1
@@ -575,8 +600,7 @@ async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[
             if not finished.done():
                 finished.set_exception(e)
         finally:
-            if session is not None:
-                session.close()
+            close()
 
     tasks = [asyncio.create_task(download(k)) for k in range(min(parallel, count))]
     try:
