@@ -88,6 +88,7 @@ class ControlServer:
         self._thread = threading.Thread(target=self._loop.run_forever, name="control-socket", daemon=True)
         self._server: asyncio.AbstractServer | None = None
         self._subscribers: set[asyncio.Queue] = set()
+        self._connections: dict[asyncio.Task, asyncio.StreamWriter] = {}
 
     # --- life cycle (called from the node's thread) --------------------------------------
 
@@ -121,7 +122,11 @@ class ControlServer:
                 if self._server is not None:
                     self._server.close()
                 for q in list(self._subscribers):
-                    q.put_nowait(None)  # ends each subscriber's writer
+                    q.put_nowait(None)  # ends each subscriber's stream
+                for writer in list(self._connections.values()):  # and every other connection
+                    writer.close()
+                if self._connections:
+                    await asyncio.wait(list(self._connections), timeout=2)
             try:
                 asyncio.run_coroutine_threadsafe(stop(), self._loop).result(5)
             except Exception as e:  # closing must not raise over the node's own shutdown
@@ -148,6 +153,9 @@ class ControlServer:
             q.put_nowait(msg)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections[task] = writer
         try:
             while True:
                 try:
@@ -166,6 +174,7 @@ class ControlServer:
             log.debug("control connection closed reason=%r", e)
         finally:
             writer.close()
+            self._connections.pop(task, None)
 
     def _answer(self, msg: Message) -> Message:
         rid = msg.request_id  # type: ignore[attr-defined]

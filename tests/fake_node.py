@@ -16,7 +16,7 @@ from protocol.messages import Message
 from protocol.messages_control import (
     FinishAndStop, LeaveRun, PauseTraining, ResumeTraining, StateChanged, UpdateSettings,
 )
-from protocol.settings import Settings, parse_settings, render_settings
+from protocol.settings import ClientSettings, Settings, parse_settings, render_settings
 
 PEER_ID = "12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA"
 
@@ -25,7 +25,7 @@ class FakeNode:
     def __init__(self, socket_path: Path, **status: Any):
         self.lock = threading.Lock()
         self.commands: list[Message] = []
-        self.settings = Settings()
+        self.settings = Settings(client=ClientSettings(confirmed=True))  # a volunteer past the first run
         self.fields: dict[str, Any] = dict(
             at=time.time(), run_id=b"\x01" * 20, run_name="fake run", peer_id=PEER_ID, state="training",
             pause_reason="", step=120, tokens=122880, tokens_per_s=4096.0, loss=3.25, heldout_loss=3.4, peers=3,

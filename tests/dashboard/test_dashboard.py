@@ -1,0 +1,255 @@
+"""The dashboard as a real Textual app (run_test + Pilot) against a fake node behind a real
+control socket: what it shows, and the commands its keys and forms send."""
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from protocol.messages_control import (
+    FinishAndStop, FragmentSynced, FragmentSyncFailed, LogRecorded, LossMeasured, PauseTraining, PeerLeft, PeerUpdated,
+    ResumeTraining, UpdateSettings,
+)
+from protocol.settings import Settings, parse_settings, render_settings
+from tests.fake_node import PEER_ID, FakeNode
+from tui.dashboard.app import SwarmstreamApp
+from tui.dashboard.model import DashboardModel
+
+NOW = 1_800_000_000.0
+OTHER = "12D3KooWGzNJhy6ehyTJDtk1ymd2PvvZ6rfpeDwNN8ekgyQCpQXP"
+
+
+@pytest.fixture
+def sock():
+    return Path(tempfile.mkdtemp(prefix="ss-dash-", dir="/tmp")) / "node.sock"
+
+
+async def until(pilot, cond, what: str, timeout: float = 10.0):
+    """Let the app run until ``cond()`` holds (bounded)."""
+    for _ in range(int(timeout / 0.05)):
+        if cond():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def dialog(pilot, app, dialog_id: str):
+    """Wait until the dialog is on screen with its buttons mounted."""
+    await until(pilot, lambda: app.screen.id == dialog_id and len(app.screen.query("Button")) > 0,
+                f"the {dialog_id} dialog")
+    await pilot.pause(0.05)
+
+
+def text_of(app, selector: str) -> str:
+    return str(app.screen.query_one(selector).render())
+
+
+def run(coro):
+    asyncio.run(coro)
+
+
+def make_app(sock, **kw):
+    return SwarmstreamApp(sock, poll_s=0.1, clock=lambda: NOW, **kw)
+
+
+def test_the_dashboard_shows_the_node_and_its_events(sock):
+    async def go():
+        with FakeNode(sock) as node:
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                await until(pilot, lambda: app.model.node_up, "the first status")
+                assert app.current_mode == "dashboard"
+                for i in range(5):
+                    node.emit(LossMeasured(at=NOW, step=10 * i, split="train", loss=4.0 - 0.5 * i))
+                node.emit(LossMeasured(at=NOW, step=40, split="heldout", loss=2.5))
+                node.emit(FragmentSynced(at=NOW, fragment=1, round=7, group_size=4, contributors=3, weight=10.0,
+                                         duration_s=0.8, waited_s=0.1, bytes_sent=5000, bytes_received=4000))
+                node.emit(FragmentSyncFailed(at=NOW, fragment=0, round=8, reason="no group formed"))
+                node.emit(PeerUpdated(at=NOW, peer_id=OTHER, state="training", device="cpu", tokens=4096,
+                                      tokens_per_s=100.0, rounds_done=7, last_seen_at=NOW - 3))
+                await until(pilot, lambda: len(app.model.syncs) == 2 and app.model.peers and
+                            len(app.model.heldout) == 1, "the events")
+                await pilot.pause(0.6)  # one redraw
+                state = text_of(app, "#state")
+                assert "TRAINING" in state and "fake run" in state and "direct" in state
+                assert "122,880" in text_of(app, "#credit")  # tokens trained, from the ledger
+                assert "train loss  2.0000" in text_of(app, "#train-label")
+                assert app.screen.query_one("#train-plot").data == [4.0, 3.5, 3.0, 2.5, 2.0]
+                syncs = app.screen.query_one("#syncs")
+                assert syncs.row_count == 2
+                assert [str(c) for c in syncs.get_row_at(0)][1:4] == ["0", "8", "alone"]
+                assert [str(c) for c in syncs.get_row_at(1)][1:5] == ["1", "7", "4", "1"]  # one dropped
+                peers = app.screen.query_one("#peers")
+                assert peers.row_count == 1 and "3 s ago" in [str(c) for c in peers.get_row_at(0)]
+                node.emit(PeerLeft(at=NOW, peer_id=OTHER, reason="heartbeat expired"))
+                await until(pilot, lambda: not app.model.peers, "the peer to leave")
+
+    run(go())
+
+
+def test_p_pauses_and_resumes_and_f_finishes_after_a_confirm(sock):
+    async def go():
+        with FakeNode(sock) as node:
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                await until(pilot, lambda: app.model.node_up, "the first status")
+                await pilot.press("p")
+                await until(pilot, lambda: app.model.paused, "paused")
+                await pilot.pause(0.6)
+                assert "PAUSED" in text_of(app, "#state") and "paused by you" in text_of(app, "#state")
+                await pilot.press("p")
+                await until(pilot, lambda: not app.model.paused, "resumed")
+                await pilot.press("f")
+                await dialog(pilot, app, "confirm-finish")
+                await pilot.click("#cancel")
+                assert not any(isinstance(c, FinishAndStop) for c in node.commands)
+                await pilot.press("f")
+                await dialog(pilot, app, "confirm-finish")
+                await pilot.click("#finish")
+                await until(pilot, lambda: app.model.status.state == "finishing", "finishing")
+                assert [type(c) for c in node.commands] == [PauseTraining, ResumeTraining, FinishAndStop]
+
+    run(go())
+
+
+@pytest.mark.parametrize("choice, sent", [("keep", []), ("stop", [FinishAndStop]), ("cancel", [])])
+def test_q_asks_whether_the_node_keeps_contributing(sock, choice, sent):
+    async def go():
+        with FakeNode(sock) as node:
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                await until(pilot, lambda: app.model.node_up, "the first status")
+                await pilot.press("q")
+                await dialog(pilot, app, "quit")
+                await pilot.click(f"#{choice}")
+                await pilot.pause(0.2)
+                assert [type(c) for c in node.commands] == sent
+                assert app.is_running == (choice == "cancel")
+
+    run(go())
+
+
+def test_settings_are_saved_validated_and_a_bad_value_is_never_sent(sock):
+    async def go():
+        with FakeNode(sock) as node:
+            app = make_app(sock)
+            async with app.run_test(size=(130, 48)) as pilot:
+                await until(pilot, lambda: app.model.node_up, "the first status")
+                await pilot.press("s")
+                await until(pilot, lambda: app.current_mode == "settings" and
+                            app.screen.query_one("#network-max_upload_mbps").value == "0.0", "the form")
+                assert "/tmp/settings.toml" in text_of(app, "#settings-path")
+                app.screen.query_one("#network-max_upload_mbps").value = "lots"
+                await pilot.click("#save")
+                await pilot.pause(0.2)
+                assert "network.max_upload_mbps must be a number" in text_of(app, "#settings-error")
+                app.screen.query_one("#network-max_upload_mbps").value = "12.5"
+                app.screen.query_one("#schedule-window").value = "25:00-01:00"
+                await pilot.click("#save")
+                await pilot.pause(0.2)
+                assert "schedule.window" in text_of(app, "#settings-error")
+                assert not node.commands  # nothing invalid left the dashboard
+                app.screen.query_one("#schedule-window").value = "22:00-07:00"
+                await pilot.click("#save")
+                await until(pilot, lambda: node.commands, "the update")
+                assert isinstance(node.commands[0], UpdateSettings)
+                saved = parse_settings(node.commands[0].settings_toml)
+                assert saved.network.max_upload_mbps == 12.5 and saved.schedule.window == "22:00-07:00"
+                await until(pilot, lambda: "saved" in text_of(app, "#settings-error"), "saved")
+
+    run(go())
+
+
+def test_log_lines_reach_the_log_screen(sock):
+    async def go():
+        with FakeNode(sock) as node:
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                await until(pilot, lambda: app.model.node_up, "the first status")
+                node.emit(LogRecorded(at=NOW, level="WARNING", logger="peer.allreduce", text="dropped member x"))
+                await pilot.press("l")
+                await until(pilot, lambda: app.current_mode == "log", "the log screen")
+                log = app.screen.query_one("#log")
+                await until(pilot, lambda: any("dropped member x" in str(line) for line in log.lines), "the line")
+
+    run(go())
+
+
+def test_a_node_that_goes_away_is_shown_and_the_dashboard_keeps_running(sock):
+    async def go():
+        node = FakeNode(sock)
+        node.__enter__()
+        app = make_app(sock)
+        async with app.run_test(size=(130, 42)) as pilot:
+            await until(pilot, lambda: app.model.node_up, "the first status")
+            node.__exit__(None, None, None)
+            await until(pilot, lambda: not app.model.node_up, "the node to be gone")
+            await pilot.pause(0.6)
+            assert "no node" in text_of(app, "#state") and "no swarmstream node is running" in text_of(app, "#state")
+            await pilot.press("p")  # says why, does not crash
+            assert app.is_running
+            with FakeNode(sock):  # it comes back: the dashboard reconnects by itself
+                await until(pilot, lambda: app.model.node_up, "the reconnect")
+
+    run(go())
+
+
+def test_first_run_explains_and_starts_only_when_confirmed(sock):
+    async def go():
+        with FakeNode(sock, state="paused", pause_reason="waiting for you to confirm in the dashboard") as node:
+            node.fields["settings_toml"] = render_settings(Settings())  # confirmed = false
+            app = make_app(sock, data_dir="/home/v/.local/share/swarmstream")
+            async with app.run_test(size=(130, 42)) as pilot:
+                await dialog(pilot, app, "first-run")
+                text = str(app.screen.query_one(".question").render())
+                assert "paused until you say so" in text and "/home/v/.local/share/swarmstream" in text
+                assert "no cap" in text
+                await pilot.click("#start")
+                await until(pilot, lambda: len(node.commands) == 2, "confirm + resume")
+                assert isinstance(node.commands[0], UpdateSettings) and isinstance(node.commands[1], ResumeTraining)
+                assert parse_settings(node.commands[0].settings_toml).client.confirmed
+
+    run(go())
+
+
+def test_runs_screen_validates_pasted_addresses_and_joins(sock):
+    started: list[str] = []
+
+    async def list_runs():
+        return [{"run_id": "a" * 32, "address": "swarmstream:" + "a" * 32 + "@/ip4/1.2.3.4/tcp/5/p2p/" + PEER_ID,
+                 "name": "wiki-150m", "num_params": 151_000_000, "peers": 12, "step": 900}]
+
+    async def start_node(address):
+        started.append(address)
+
+    async def go():
+        app = make_app(sock, list_runs=list_runs, start_node=start_node)  # no node: opens on Runs
+        async with app.run_test(size=(130, 42)) as pilot:
+            await until(pilot, lambda: app.current_mode == "runs", "the runs screen")
+            await until(pilot, lambda: app.screen.query_one("#runs").row_count == 1, "the listed run")
+            assert "wiki-150m" in [str(c) for c in app.screen.query_one("#runs").get_row_at(0)]
+            box = app.screen.query_one("#address")
+            box.focus()
+            box.value = "not-an-address"
+            await pilot.press("enter")
+            await pilot.pause(0.1)
+            assert not started and text_of(app, "#address-error")
+            good = "swarmstream:" + "b" * 32 + "@/ip4/127.0.0.1/tcp/4001/p2p/" + PEER_ID
+            box.value = good
+            await pilot.click("#join")
+            await until(pilot, lambda: started, "start_node")
+            assert started == [good], started
+
+    run(go())
+
+
+def test_the_model_folds_events_with_bounds():
+    m = DashboardModel()
+    for i in range(1000):
+        m.apply(LossMeasured(at=1.0, step=i, split="train", loss=1.0))
+    m.apply(LossMeasured(at=1.0, step=5, split="train", loss=9.0))  # a replayed old point is ignored
+    assert len(m.train) == 600 and m.train[-1] == (999, 1.0)
+    for i in range(300):
+        m.apply(FragmentSyncFailed(at=1.0, fragment=0, round=i, reason="x"))
+    assert len(m.syncs) == 200 and m.syncs[0].round == 299  # newest first
