@@ -97,6 +97,15 @@ def open_dashboard(control: Path | None = None, **kwargs) -> int:
 
         await asyncio.to_thread(start_background_node, address, control=control)
 
+    control = control or paths.control_path()
+    return run_dashboard(control, list_runs=runs_lister(bootstrap) if bootstrap else None, start_node=start_node,
+                         data_dir=str(paths.data_dir()), **kwargs)
+
+
+def runs_lister(bootstrap: list[str]):
+    """For the Runs screen: an async function listing the runs advertised in the swarm that
+    ``bootstrap`` (multiaddrs) leads to, each with a joinable address. It runs ``swarmstream
+    runs --json`` in a subprocess, so the dashboard's process never imports torch or hivemind."""
     async def list_runs() -> list[dict]:
         import asyncio
 
@@ -107,16 +116,15 @@ def open_dashboard(control: Path | None = None, **kwargs) -> int:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await proc.communicate()
         if proc.returncode != 0:
-            raise RuntimeError(err.decode(errors="replace").strip().splitlines()[-1:] or "listing failed")
+            lines = err.decode(errors="replace").strip().splitlines()
+            raise RuntimeError(lines[-1] if lines else f"swarmstream runs exited with {proc.returncode}")
         rows = json.loads(out)
         for r in rows:
             r["address"] = str(RunAddress(parse_run_id(r["run_id"]), tuple(bootstrap[:1])))
             r["num_params"] = r.pop("params")
-            r.setdefault("peers", 0)
         return rows
 
-    control = control or paths.control_path()
-    return run_dashboard(control, list_runs=list_runs if bootstrap else None, start_node=start_node, **kwargs)
+    return list_runs
 
 
 # --- join ----------------------------------------------------------------------------
@@ -202,7 +210,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
             return _fail(str(e))
     if args.json:
         print(json.dumps([{"run_id": format_run_id(r.run_id), "name": r.name, "params": r.num_params,
-                           "step": r.step} for r in runs]))
+                           "peers": r.peers, "step": r.step} for r in runs]))
         return 0
     if not runs:
         print("no runs advertised right now")

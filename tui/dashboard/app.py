@@ -16,6 +16,7 @@ from pathlib import Path
 
 from textual.app import App
 from textual.binding import Binding
+from textual.css.query import NoMatches
 
 from protocol.messages import Message
 from protocol.messages_control import FinishAndStop, PauseTraining, ResumeTraining, UpdateSettings
@@ -142,8 +143,11 @@ class SwarmstreamApp(App):
 
     def _redraw(self) -> None:
         screen = self.screen
-        if hasattr(screen, "refresh_view"):
-            screen.refresh_view(self.model)
+        if hasattr(screen, "refresh_view") and screen.is_mounted:
+            try:
+                screen.refresh_view(self.model)
+            except NoMatches:  # the screen is still composing; the next tick draws it
+                pass
 
     # --- first run --------------------------------------------------------------------------
 

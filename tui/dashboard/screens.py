@@ -148,6 +148,8 @@ class DashboardScreen(ViewScreen):
 
 
 class RunsScreen(ViewScreen):
+    addresses: list[str] = []  # of the listed runs, by row
+
     def compose(self) -> ComposeResult:
         yield Header()
         with Vertical(id="runs-box"):
@@ -163,7 +165,6 @@ class RunsScreen(ViewScreen):
 
     def on_mount(self) -> None:
         self.query_one("#runs", DataTable).add_columns("name", "parameters", "peers", "step", "run ID")
-        self.addresses: list[str] = []
         self.refresh_runs()
 
     def refresh_runs(self) -> None:
@@ -238,6 +239,8 @@ FIELDS = [
 
 
 class SettingsScreen(ViewScreen):
+    _loaded = False  # the form was filled from the node's settings (refresh_view may run before on_mount)
+
     def compose(self) -> ComposeResult:
         yield Header()
         with VerticalScroll(id="settings-box"):
@@ -256,7 +259,6 @@ class SettingsScreen(ViewScreen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self._loaded = False
         self.refresh_view(self.ss.model)
 
     def refresh_view(self, model: DashboardModel) -> None:
@@ -322,13 +324,14 @@ class SettingsScreen(ViewScreen):
 
 
 class LogScreen(ViewScreen):
+    _written = 0  # log lines already shown
+
     def compose(self) -> ComposeResult:
         yield Header()
         yield RichLog(id="log", wrap=True, markup=False)
         yield Footer()
 
     def on_mount(self) -> None:
-        self._written = 0
         self.refresh_view(self.ss.model)
 
     def refresh_view(self, model: DashboardModel) -> None:
