@@ -26,7 +26,8 @@ class Credit:
     tokens_trained: int = 0
     """Tokens of inner training, whether or not they reached the swarm."""
     tokens_contributed: int = 0
-    """Tokens behind pseudo-gradients that a group's average included."""
+    """Tokens behind pseudo-gradients that a group's average included (1/P of a fragment sync's tokens
+    per fragment, so a full round acknowledged by every group adds the tokens trained in it)."""
     fragments_contributed: int = 0
     fragments_alone: int = 0
     """Syncs that found no group or failed: applied locally, not acknowledged."""

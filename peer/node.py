@@ -689,7 +689,9 @@ class Node:
                 duration_s=outcome.elapsed_s, waited_s=waited, bytes_sent=outcome.bytes_sent,
                 bytes_received=outcome.bytes_received))
         self.stats.traffic.append((time.monotonic(), self.stats.bytes_sent, self.stats.bytes_received))
-        self.ledger.record_sync(int(weight), acknowledged=outcome is not None)
+        # a fragment's weight counts every token since its last sync, and each of the P fragments
+        # carries those same tokens for its 1/P of the model: credit 1/P of them per fragment
+        self.ledger.record_sync(int(weight) // len(worker.outer), acknowledged=outcome is not None)
         worker.apply_outer(fragment, avg)
         self.stats.rounds[fragment] = round_ + 1
         last_loss = self.stats.losses[-1][1] if self.stats.losses else float("nan")
