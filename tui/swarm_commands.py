@@ -69,7 +69,7 @@ def _demo_dashboard(args: argparse.Namespace) -> int:
           "one is up ...", file=sys.stderr, flush=True)
     try:
         demo.start()
-        code = open_dashboard(demo.control_path(0), start_screen="dashboard")
+        code = open_dashboard(demo.control_path(0), start_screen="dashboard", quit_asks=False)
     except DemoError as e:
         demo.stop()
         return _fail(str(e))
