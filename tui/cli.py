@@ -18,6 +18,7 @@ from tui import __version__
 from tui.run_command import add_run_parser
 from tui.swarm_commands import add_swarm_parsers
 from tui.node_commands import add_node_parsers
+from tui import doctor
 
 
 class UsageError(Exception):
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
     add_swarm_parsers(sub)
     add_node_parsers(sub)
+    doctor.add_parser(sub)
     return parser
 
 

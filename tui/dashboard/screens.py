@@ -65,10 +65,10 @@ class DashboardScreen(ViewScreen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#syncs", DataTable).add_columns("time", "frag", "round", "group", "dropped", "bytes",
-                                                        "latency", "waited")
-        self.query_one("#peers", DataTable).add_columns("peer", "state", "tokens/s", "tokens", "rounds",
-                                                        "last seen")
+        self.query_one("#syncs", DataTable).add_columns("time", "frag", "round", "group", "drop", "bytes",
+                                                        "took", "waited")
+        self.query_one("#peers", DataTable).add_columns("peer", "state", "tok/s", "tokens", "rounds",
+                                                        "seen")
         self.query_one("#syncs", DataTable).border_title = "fragment syncs"
         self.query_one("#peers", DataTable).border_title = "peers"
         self.refresh_view(self.ss.model)
