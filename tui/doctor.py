@@ -123,8 +123,8 @@ def check_disk() -> Check:
     free_gb = shutil.disk_usage(probe).free / 2**30
     text = f"{free_gb:.1f} GiB free for {where}"
     if free_gb < MIN_FREE_GB:
-        return Check("disk", "warn", text, f"checkpoints of large models need several GiB; free some space "
-                                           f"(or set SWARMSTREAM_HOME to a bigger disk)")
+        return Check("disk", "warn", text, "checkpoints of large models need several GiB; free some space "
+                                           "(or set SWARMSTREAM_HOME to a bigger disk)")
     return Check("disk", "ok", text)
 
 
