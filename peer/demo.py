@@ -50,13 +50,15 @@ class Demo:
     def __init__(self, peers: int, rounds: int | None, workdir: Path | None = None,
                  on_event: Callable[[int, dict], None] | None = None, checkpoint_every_s: float = 120.0,
                  envs: dict[int, dict[str, str]] | None = None, listen: dict[int, str] | None = None,
-                 manifest: bytes | None = None, device: str = "cpu"):
+                 manifest: bytes | None = None, device: str = "cpu",
+                 launcher: dict[int, list[str]] | None = None):
         if peers < 1:
             raise DemoError("a demo needs at least one peer")
         self.peers, self.rounds, self.checkpoint_every_s = peers, rounds, checkpoint_every_s
         self.envs = envs or {}  # per-peer extra environment (fault injection in tests)
         self.listen = listen or {}  # per-peer listen multiaddr (default 127.0.0.1, any port)
         self.manifest, self.device = manifest, device  # another run than the demo's (benchmarks)
+        self.launcher = launcher or {}  # per-peer command prefix, e.g. ["ip", "netns", "exec", "ss3"]
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="swarmstream-demo-"))
         self.on_event = on_event or (lambda i, ev: None)
         self.procs: dict[int, subprocess.Popen] = {}
@@ -69,7 +71,8 @@ class Demo:
     def _spawn(self, i: int, source: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
         # N peers share the cores: one torch thread each
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
-        cmd = [sys.executable, "-m", "peer.node", *source, "--identity", str(self.dir / f"peer{i}.key"),
+        cmd = [*self.launcher.get(i, []), sys.executable, "-m", "peer.node", *source,
+               "--identity", str(self.dir / f"peer{i}.key"),
                "--data-dir", str(self.dir / f"peer{i}"), "--listen", self.listen.get(i, LOCALHOST),
                "--device", self.device]
         cmd += ["--checkpoint-every", str(self.checkpoint_every_s)]
