@@ -806,9 +806,14 @@ class Node:
                 digest, serving, rounds = self._current_state(
                     swarm, serving, newer_than=rounds, wait_s=swarm.matchmaking_timeout_s + swarm.allreduce_timeout_s)
             self.on_event({"event": "syncing_state", "donors": len(serving)})
-            self._progress = (0.0, f"downloading the global state from {len(serving)} peers")
+            label = f"downloading the global state from {len(serving)} peers"
+            self._progress = (0.0, label)
+
+            def progress(done: int, total: int) -> None:  # on the network thread; the dashboard polls it
+                self._progress = (done / total if total else 1.0, label)
+
             state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, serving, digest,
-                                              chunk_timeout_s=swarm.state_chunk_timeout_s),
+                                              chunk_timeout_s=swarm.state_chunk_timeout_s, progress=progress),
                                   timeout=swarm.state_chunk_timeout_s * 8 + 60)
         except (StateSyncError, NetworkError) as e:
             log.warning("state sync failed reason=%s; training from round %s", e, self.stats.rounds)
