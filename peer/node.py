@@ -678,6 +678,8 @@ class Node:
             self._remember(FragmentSyncFailed(at=time.time(), fragment=fragment, round=round_, reason=reason[:256]))
         else:
             avg = outcome.average
+            if outcome.dropped:  # members that timed out on each other may land different averages:
+                self._alone_this_round = True  # compare digests after this round, as after a lone sync
             self.stats.bytes_sent += outcome.bytes_sent
             self.stats.bytes_received += outcome.bytes_received
             self.stats.dropped_peers += len(outcome.dropped)

@@ -524,21 +524,18 @@ async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[
     if count == 0:
         finished.set_result(None)
 
-    serving_us: dict[str, int] = {}  # donor -> our sessions it is serving now
+    opened: dict[str, int] = {}  # donor -> our sessions open to it now
+    alive = {"tasks": min(parallel, count)}  # download tasks that have not stepped aside
 
     async def download(k: int) -> None:
         donor: str | None = None
         session: _Session | None = None
-        counted = False  # this task's session is one of serving_us[donor]
-
         def close() -> None:
-            nonlocal session, counted
+            nonlocal session
             if session is not None:
                 session.close()
                 session = None
-            if counted:
-                serving_us[donor] -= 1
-                counted = False
+                opened[donor] -= 1
 
         try:
             while True:
@@ -557,6 +554,7 @@ async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[
                     try:
                         if session is None:
                             session = await _Session.open(p2p, donor, name, chunk_timeout_s)
+                            opened[donor] = opened.get(donor, 0) + 1
                         v = await session.ask(RequestStateChunk(run_id=run_id, index_digest=digest, chunk=i),
                                               identity, StateChunk, limit=size + _ENVELOPE_OVERHEAD,
                                               timeout_s=chunk_timeout_s)
@@ -567,11 +565,12 @@ async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[
                         if len(got.payload) != length or v.payload_digest != index.chunk_digests[i]:
                             raise _DonorFailed("does not match the index (bad data)")
                     except _Busy:
-                        if serving_us.get(donor, 0) > 0:
-                            # it serves us on other sessions already, up to its limit: this task is
-                            # one too many for it, not a sign of trouble. Hand the chunk back and end.
+                        if opened.get(donor, 0) > 1 and alive["tasks"] > 1:
+                            # our other sessions fill its slots: this task is one too many for it,
+                            # not a sign of trouble. Hand the chunk back and step aside.
                             close()
                             todo.put_nowait(i)
+                            alive["tasks"] -= 1
                             return
                         close()
                         pool.busy(donor)
@@ -582,9 +581,6 @@ async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[
                         pool.drop(donor, f"chunk {i}: {e}")
                         donor = None
                         continue
-                    if not counted:
-                        serving_us[donor] = serving_us.get(donor, 0) + 1
-                        counted = True
                     blob[i * size:i * size + length] = got.payload
                     pool.served(donor)
                     stats.chunks[donor] = stats.chunks.get(donor, 0) + 1
