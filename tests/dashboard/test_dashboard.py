@@ -8,13 +8,21 @@ from pathlib import Path
 import pytest
 
 from protocol.messages_control import (
-    FinishAndStop, FragmentSynced, FragmentSyncFailed, LogRecorded, LossMeasured, PauseTraining, PeerLeft, PeerUpdated,
-    ResumeTraining, UpdateSettings,
+    FinishAndStop,
+    FragmentSynced,
+    FragmentSyncFailed,
+    LogRecorded,
+    LossMeasured,
+    PauseTraining,
+    PeerLeft,
+    PeerUpdated,
+    ResumeTraining,
+    UpdateSettings,
 )
-from protocol.settings import Settings, parse_settings, render_settings
+from protocol.settings import ClientSettings, Settings, parse_settings, render_settings
 from tests.fake_node import PEER_ID, FakeNode
 from tui.dashboard.app import SwarmstreamApp
-from tui.dashboard.model import DashboardModel
+from tui.dashboard.screens import FIELDS
 
 NOW = 1_800_000_000.0
 OTHER = "12D3KooWGzNJhy6ehyTJDtk1ymd2PvvZ6rfpeDwNN8ekgyQCpQXP"
@@ -244,12 +252,113 @@ def test_runs_screen_validates_pasted_addresses_and_joins(sock):
     run(go())
 
 
-def test_the_model_folds_events_with_bounds():
-    m = DashboardModel()
-    for i in range(1000):
-        m.apply(LossMeasured(at=1.0, step=i, split="train", loss=1.0))
-    m.apply(LossMeasured(at=1.0, step=5, split="train", loss=9.0))  # a replayed old point is ignored
-    assert len(m.train) == 600 and m.train[-1] == (999, 1.0)
-    for i in range(300):
-        m.apply(FragmentSyncFailed(at=1.0, fragment=0, round=i, reason="x"))
-    assert len(m.syncs) == 200 and m.syncs[0].round == 299  # newest first
+def test_long_work_shows_a_progress_bar_and_a_relayed_node_says_so(sock):
+    async def go():
+        with FakeNode(sock, state="syncing", progress=0.4, progress_label="downloading the global state",
+                      reachability="relayed") as node:
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                bar = app.screen.query_one("#progress")
+                await until(pilot, lambda: bar.display and bar.progress == 0.4, "the progress bar")
+                assert "downloading the global state" in text_of(app, "#progress-label")
+                assert "SYNCING" in text_of(app, "#state") and "relayed" in text_of(app, "#state")
+                node.fields.update(state="training", progress=None, progress_label="")
+                await until(pilot, lambda: not bar.display, "the bar to go when the work ends")
+
+    run(go())
+
+
+def test_a_stale_peer_is_marked(sock):
+    async def go():
+        with FakeNode(sock) as node:
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                await until(pilot, lambda: app.model.node_up, "the first status")
+                node.emit(PeerUpdated(at=NOW, peer_id=OTHER, state="training", device="cpu", tokens=1,
+                                      tokens_per_s=1.0, rounds_done=1, last_seen_at=NOW - 40))
+                table = app.screen.query_one("#peers")
+                await until(pilot, lambda: table.row_count == 1, "the peer's row")
+                row = [str(c) for c in table.get_row_at(0)]
+                assert row[0] == "…" + OTHER[-8:] and row[-1] == "40 s ago · stale", row
+
+    run(go())
+
+
+def test_a_refused_command_shows_the_reason_and_nothing_breaks(sock):
+    async def go():
+        with FakeNode(sock) as node:
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                await until(pilot, lambda: app.model.node_up, "the first status")
+                assert not await app.command(ResumeTraining)  # the fake node is training: "not paused"
+                assert app.last_error == "not paused" and app.is_running
+                await pilot.press("p")  # the command connection still works after the refusal
+                await until(pilot, lambda: app.model.paused, "paused")
+                assert [type(c) for c in node.commands] == [ResumeTraining, PauseTraining]
+
+    run(go())
+
+
+def test_first_run_not_now_leaves_the_node_paused_and_does_not_ask_again(sock):
+    async def go():
+        with FakeNode(sock, state="paused", pause_reason="waiting for you to confirm in the dashboard") as node:
+            node.fields["settings_toml"] = render_settings(Settings())
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                await dialog(pilot, app, "first-run")
+                await pilot.click("#later")
+                await until(pilot, lambda: app.screen.id != "first-run", "the dialog to close")
+                await pilot.pause(0.5)  # several polls of a node that is still unconfirmed
+                assert app.screen.id != "first-run" and not node.commands and app.model.paused
+
+    run(go())
+
+
+def test_a_confirmed_node_gets_no_first_run_question(sock):
+    async def go():
+        with FakeNode(sock, state="paused", pause_reason="paused by you") as node:
+            node.fields["settings_toml"] = render_settings(Settings(client=ClientSettings(confirmed=True)))
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                await until(pilot, lambda: app.model.node_up, "the first status")
+                await pilot.pause(0.5)
+                assert app.screen.id != "first-run" and app.current_mode == "dashboard"
+
+    run(go())
+
+
+def test_runs_screen_without_listing_or_joining_says_so_and_r_refreshes(sock):
+    calls: list[int] = []
+
+    async def list_runs():
+        calls.append(1)
+        return []
+
+    async def go():
+        app = make_app(sock)  # neither list_runs nor start_node: both unavailable
+        async with app.run_test(size=(130, 42)) as pilot:
+            await until(pilot, lambda: app.current_mode == "runs", "the runs screen")
+            assert "listing runs is unavailable" in text_of(app, "#runs-note")
+            box = app.screen.query_one("#address")
+            box.focus()
+            box.value = "swarmstream:" + "b" * 32 + "@/ip4/127.0.0.1/tcp/4001/p2p/" + PEER_ID
+            await pilot.press("enter")
+            await pilot.pause(0.1)
+            assert "joining is not available here" in text_of(app, "#address-error")
+        app = make_app(sock, list_runs=list_runs)
+        async with app.run_test(size=(130, 42)) as pilot:
+            await until(pilot, lambda: "no runs advertised" in text_of(app, "#runs-note"), "the empty listing")
+            app.screen.query_one("#runs").focus()  # r reaches the screen (an Input would take it as text)
+            await pilot.press("r")
+            await until(pilot, lambda: len(calls) == 2, "a second listing")
+            await pilot.click("#refresh")
+            await until(pilot, lambda: len(calls) == 3, "a third listing")
+
+    run(go())
+
+
+def test_the_settings_form_has_every_setting():
+    """A key added to protocol/settings.py must get a field on the Settings screen."""
+    want = {(section, key) for section, sub in Settings.__dataclass_fields__.items()
+            for key in sub.default_factory.__dataclass_fields__}
+    assert {(section, key) for section, key, _, _ in FIELDS} == want

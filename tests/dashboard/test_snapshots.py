@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from protocol.messages_control import FragmentSynced, FragmentSyncFailed, LogRecorded, LossMeasured, PeerUpdated
+from protocol.messages_control import (
+    FragmentSynced,
+    FragmentSyncFailed,
+    LogRecorded,
+    LossMeasured,
+    PeerUpdated,
+)
+from protocol.settings import NetworkSettings, Settings, render_settings
 from tests.fake_node import FakeNode
 from tui.dashboard.app import SwarmstreamApp
 
@@ -90,3 +97,21 @@ def test_runs_screen_without_a_node(snap_compare):
     sock = Path(tempfile.mkdtemp(prefix="ss-snap-", dir="/tmp")) / "none.sock"
     app = SwarmstreamApp(sock, list_runs=list_runs, poll_s=0.2, clock=lambda: NOW)
     assert snap_compare(app, terminal_size=SIZE, run_before=go)
+
+
+def test_first_run_dialog(snap_compare):
+    """A fresh install: the node waits, paused, until the volunteer confirms (issue 6)."""
+    sock = Path(tempfile.mkdtemp(prefix="ss-snap-", dir="/tmp")) / "node.sock"
+
+    async def go(pilot):
+        for _ in range(200):
+            if pilot.app.screen.id == "first-run" and pilot.app.screen.query("Button"):
+                break
+            await pilot.pause(0.05)
+        await pilot.pause(0.7)
+
+    with FakeNode(sock, state="paused", pause_reason="waiting for you to confirm in the dashboard",
+                  settings_path="/home/v/.config/swarmstream/settings.toml",
+                  settings_toml=render_settings(Settings(network=NetworkSettings(max_upload_mbps=20.0)))):
+        app = SwarmstreamApp(sock, poll_s=0.2, clock=lambda: NOW, data_dir="/home/v/.local/share/swarmstream")
+        assert snap_compare(app, terminal_size=SIZE, run_before=go)

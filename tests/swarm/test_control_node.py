@@ -57,10 +57,20 @@ def test_pause_releases_the_model_resume_catches_up_and_stop_finishes_the_round(
     assert paused.pause_reason == "paused by you" and paused.device == "released (paused)"
     with pytest.raises(ControlError, match="already paused"):
         call(sock, PauseTraining)
-    # nobody waits for a paused peer: peer 1 lands two more rounds of fragment 1 meanwhile
-    _, ev = events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "synced" and ev["fragment"] == 1)
-    events.wait_for(lambda i, e: i == 1 and e.get("event") == "synced" and e["fragment"] == 1
-                    and e["round"] >= ev["round"] + 1)
+    # nobody waits for a paused peer: peer 1 lands every fragment two rounds past the last one
+    # peer 0 landed (so even a heartbeat one landing old shows it a round ahead). Events that
+    # were queued before the pause count for peer 0's rounds, not as progress made without it.
+    last = {0: -1, 1: -1}  # fragment -> the last round peer 0 landed (its in-flight landings too)
+    ahead = {0: -1, 1: -1}  # fragment -> the last round peer 1 landed
+
+    def moved_on(i, ev):
+        if ev.get("event") == "synced":
+            (last if i == 0 else ahead)[ev["fragment"]] = ev["round"]
+        return all(ahead[f] >= last[f] + 2 for f in (0, 1))
+
+    for item in events.drain():
+        moved_on(*item)
+    events.wait_for(moved_on)
     assert call(sock, GetStatus).step == paused.step
 
     # resume: the run moved on, so peer 0 downloads the swarm's state and averages with it again

@@ -10,22 +10,37 @@ so the UI never blocks on the socket.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import ClassVar
 
 from textual.app import App
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
 
 from protocol.messages import Message
-from protocol.messages_control import FinishAndStop, PauseTraining, ResumeTraining, UpdateSettings
+from protocol.messages_control import (
+    FinishAndStop,
+    PauseTraining,
+    ResumeTraining,
+    UpdateSettings,
+)
 from protocol.settings import render_settings
 from tui.control_client import ControlConnection, ControlError
 from tui.dashboard.model import DashboardModel
 from tui.dashboard.screens import (
-    Choice, DashboardScreen, HelpScreen, LogScreen, RunsScreen, SettingsScreen, first_run_text,
+    Choice,
+    DashboardScreen,
+    HelpScreen,
+    LogScreen,
+    RunsScreen,
+    SettingsScreen,
+    first_run_text,
 )
+
+log = logging.getLogger(__name__)
 
 ListRuns = Callable[[], Awaitable[list[dict]]]
 StartNode = Callable[[str], Awaitable[None]]
@@ -34,8 +49,8 @@ StartNode = Callable[[str], Awaitable[None]]
 class SwarmstreamApp(App):
     TITLE = "swarmstream"
     CSS_PATH = "dashboard.tcss"
-    MODES = {"dashboard": DashboardScreen, "runs": RunsScreen, "settings": SettingsScreen, "log": LogScreen}
-    BINDINGS = [
+    MODES: ClassVar[dict] = {"dashboard": DashboardScreen, "runs": RunsScreen, "settings": SettingsScreen, "log": LogScreen}
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("p", "pause_resume", "Pause/Resume"),
         Binding("f", "finish", "Finish & stop"),
         Binding("q", "quit_dashboard", "Quit"),
@@ -96,8 +111,8 @@ class SwarmstreamApp(App):
         if self._conn is not None:
             try:
                 await self._conn.close()
-            except Exception:
-                pass
+            except OSError as e:  # the connection is being dropped anyway
+                log.debug("closing the control connection failed error=%s", e)
             self._conn = None
 
     async def _poll(self) -> None:
@@ -117,7 +132,7 @@ class SwarmstreamApp(App):
                 conn = await ControlConnection.open(self.control_path, timeout=2.0)
                 async for ev in conn.events():
                     self.model.apply(ev)
-            except ControlError:
+            except (ControlError, asyncio.TimeoutError, OSError):
                 pass  # the poller reports the node as gone; we reconnect below
             finally:
                 if conn is not None:
@@ -196,9 +211,8 @@ class SwarmstreamApp(App):
         async def answer(choice: str | None) -> None:
             if choice == "keep":
                 self.exit(0)
-            elif choice == "stop":
-                if await self.command(FinishAndStop):
-                    self.exit(0)
+            elif choice == "stop" and await self.command(FinishAndStop):
+                self.exit(0)  # (a refused stop leaves the dashboard open, showing why)
 
         self.push_screen(Choice("Quit the dashboard. Keep contributing in the background?",
                                 [("keep", "Keep running"), ("stop", "Stop the node"), ("cancel", "Cancel")],

@@ -6,9 +6,17 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from protocol.errors import ConfigError
 from protocol.messages import Message
 from protocol.messages_control import (
-    FragmentSynced, FragmentSyncFailed, LogRecorded, LossMeasured, PeerJoined, PeerLeft, PeerUpdated, StateChanged,
+    FragmentSynced,
+    FragmentSyncFailed,
+    LogRecorded,
+    LossMeasured,
+    PeerJoined,
+    PeerLeft,
+    PeerUpdated,
+    StateChanged,
     StatusReported,
 )
 from protocol.settings import Settings, parse_settings
@@ -16,6 +24,9 @@ from protocol.settings import Settings, parse_settings
 MAX_POINTS = 600  # loss points kept per series
 MAX_SYNCS = 200
 MAX_LOG = 2000
+STALE_S = 30.0
+"""A peer row whose latest heartbeat is older than this is marked stale (heartbeats come every few
+seconds; the node sends PeerLeft only when the heartbeat expires, 45 s by default)."""
 
 
 @dataclass(slots=True)
@@ -53,7 +64,7 @@ class DashboardModel:
             return None
         try:
             return parse_settings(self.status.settings_toml)
-        except Exception:  # a node of another version: show the rest
+        except ConfigError:  # a node of another version: show the rest
             return None
 
     def set_status(self, st: StatusReported) -> None:
@@ -89,6 +100,12 @@ class DashboardModel:
     @property
     def paused(self) -> bool:
         return self.status is not None and self.status.state == "paused"
+
+    def peer_rows(self, now: float) -> list[tuple[PeerUpdated, bool]]:
+        """The peers table, biggest contribution first: (row, stale) with stale meaning no
+        heartbeat for STALE_S seconds of ``now`` (the dashboard's clock)."""
+        rows = sorted(self.peers.values(), key=lambda p: (-p.tokens, p.peer_id))
+        return [(p, now - p.last_seen_at > STALE_S) for p in rows]
 
 
 def short_peer(peer_id: str) -> str:

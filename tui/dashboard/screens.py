@@ -6,15 +6,28 @@ asks the app to send commands; none talks to the socket itself.
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
+from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import (
-    Button, DataTable, Footer, Header, Input, Label, ProgressBar, RichLog, Sparkline, Static, Switch,
+    Button,
+    DataTable,
+    Footer,
+    Header,
+    Input,
+    Label,
+    ProgressBar,
+    RichLog,
+    Sparkline,
+    Static,
+    Switch,
 )
 
 from protocol.errors import ConfigError
@@ -24,6 +37,8 @@ from tui.dashboard.model import DashboardModel, ago, human_bytes, human_rate, sh
 
 if TYPE_CHECKING:
     from tui.dashboard.app import SwarmstreamApp
+
+log = logging.getLogger(__name__)
 
 STATE_STYLE = {"training": "bold green", "averaging": "bold cyan", "syncing": "bold yellow",
                "paused": "bold magenta", "finishing": "bold yellow", "leaving": "bold red", "joining": "yellow"}
@@ -127,9 +142,11 @@ class DashboardScreen(ViewScreen):
                               f"{row.latency_s:.2f} s", f"{row.waited_s:.2f} s")
         peers = self.query_one("#peers", DataTable)
         peers.clear()
-        for p in sorted(model.peers.values(), key=lambda p: -p.tokens):
-            peers.add_row(short_peer(p.peer_id), p.state, f"{p.tokens_per_s:,.0f}", f"{p.tokens:,}", p.rounds_done,
-                          ago(now - p.last_seen_at))
+        for p, stale in model.peer_rows(now):
+            cells = [short_peer(p.peer_id), p.state, f"{p.tokens_per_s:,.0f}", f"{p.tokens:,}", str(p.rounds_done),
+                     ago(now - p.last_seen_at) + (" · stale" if stale else "")]
+            # a stale row is dimmed: its peer missed heartbeats and may be gone (PeerLeft removes it)
+            peers.add_row(*(Text(c, style="dim") if stale else c for c in cells))
 
     def _plot(self, name: str, series, latest: float | None) -> None:
         values = [v for _, v in series]
@@ -148,14 +165,21 @@ class DashboardScreen(ViewScreen):
 
 
 class RunsScreen(ViewScreen):
-    addresses: list[str] = []  # of the listed runs, by row
+    # on this screen r lists the runs again (elsewhere it switches here)
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("r", "refresh_runs", "Refresh")]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.addresses: list[str] = []  # of the listed runs, by row
 
     def compose(self) -> ComposeResult:
         yield Header()
         with Vertical(id="runs-box"):
             yield Label("Public runs (select one to join)", id="runs-title")
             yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
-            yield Label("", id="runs-note")
+            with Horizontal(id="runs-row"):
+                yield Label("", id="runs-note")
+                yield Button("Refresh", id="refresh")
             yield Label("or paste a run address:")
             with Horizontal(id="address-row"):
                 yield Input(placeholder="swarmstream:RUN_ID@/ip4/HOST/tcp/PORT/p2p/PEER_ID", id="address")
@@ -167,10 +191,15 @@ class RunsScreen(ViewScreen):
         self.query_one("#runs", DataTable).add_columns("name", "parameters", "peers", "step", "run ID")
         self.refresh_runs()
 
+    @on(Button.Pressed, "#refresh")
+    def action_refresh_runs(self) -> None:
+        self.refresh_runs()
+
     def refresh_runs(self) -> None:
         if self.ss.list_runs is None:
             self.query_one("#runs-note", Label).update(
-                "no bootstrap peers known: set SWARMSTREAM_BOOTSTRAP to a peer's address to list runs")
+                "listing runs is unavailable: no bootstrap peers known; set SWARMSTREAM_BOOTSTRAP to a peer's "
+                "multiaddr, or paste a run address below")
             return
         self.query_one("#runs-note", Label).update("looking for runs ...")
         self.run_worker(self._load(), exclusive=True, group="runs")
@@ -178,7 +207,8 @@ class RunsScreen(ViewScreen):
     async def _load(self) -> None:
         try:
             runs = await self.ss.list_runs()
-        except Exception as e:  # a listing that fails says why, on one line
+        except Exception as e:  # noqa: BLE001 - list_runs is injected: whatever it raises is shown, on one line
+            log.warning("listing runs failed error=%s", e)
             self.query_one("#runs-note", Label).update(f"could not list runs: {e}")
             return
         table = self.query_one("#runs", DataTable)
@@ -187,7 +217,8 @@ class RunsScreen(ViewScreen):
         for r in runs:
             table.add_row(r["name"], f"{r['num_params']:,}", r.get("peers", 0), r.get("step", 0), r["run_id"])
             self.addresses.append(r["address"])
-        self.query_one("#runs-note", Label).update(f"{len(runs)} runs" if runs else "no runs advertised right now")
+        note = f"{len(runs)} run{'s' if len(runs) > 1 else ''}" if runs else "no runs advertised right now"
+        self.query_one("#runs-note", Label).update(note)
 
     @on(DataTable.RowSelected, "#runs")
     def _picked(self, event: DataTable.RowSelected) -> None:
@@ -215,7 +246,8 @@ class RunsScreen(ViewScreen):
     async def _start(self, address: str) -> None:
         try:
             await self.ss.start_node(address)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - start_node is injected: whatever it raises is shown, on one line
+            log.warning("starting a node failed address=%s error=%s", address, e)
             self.query_one("#address-error", Label).update(f"[red]{e}[/]")
             return
         self.query_one("#address-error", Label).update("")
@@ -235,6 +267,7 @@ FIELDS = [
     ("schedule", "only_when_idle", "only when the machine is idle", "bool"),
     ("schedule", "only_on_ac_power", "only on mains power", "bool"),
     ("schedule", "window", "daily window, e.g. 22:00-07:00 (empty = any time)", "text"),
+    ("client", "confirmed", "confirmed (off: ask again before contributing)", "bool"),
 ]
 
 
@@ -348,7 +381,7 @@ class LogScreen(ViewScreen):
 class Choice(ModalScreen[str]):
     """A question with buttons; dismisses with the pressed button's id."""
 
-    BINDINGS = [("escape", "dismiss('cancel')", "Cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [("escape", "dismiss('cancel')", "Cancel")]
 
     def __init__(self, question: str, choices: list[tuple[str, str]], dialog_id: str = "choice"):
         super().__init__(id=dialog_id)
@@ -371,14 +404,14 @@ HELP = """[b]swarmstream dashboard[/]
 [b]p[/]  pause / resume training (a pause contributes what is in flight, then frees the GPU)
 [b]f[/]  finish the current round, contribute it, then stop the node
 [b]q[/]  quit the dashboard (you choose whether the node keeps contributing)
-[b]d[/]  dashboard   [b]r[/]  runs   [b]s[/]  settings   [b]l[/]  log
+[b]d[/]  dashboard   [b]r[/]  runs (on Runs: list again)   [b]s[/]  settings   [b]l[/]  log
 [b]?[/]  this help
 
 From another terminal: swarmstream status | pause | resume | stop"""
 
 
 class HelpScreen(ModalScreen[None]):
-    BINDINGS = [("escape,question_mark,q", "dismiss", "Close")]
+    BINDINGS: ClassVar[list[BindingType]] = [("escape,question_mark,q", "dismiss", "Close")]
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
@@ -393,15 +426,16 @@ class HelpScreen(ModalScreen[None]):
 def first_run_text(model: DashboardModel, data_dir: str) -> str:
     st = model.status
     s = model.settings or Settings()
-    caps = [f"{name} {v:g} Mbit/s" for name, v in (("upload", s.network.max_upload_mbps),
-                                                    ("download", s.network.max_download_mbps)) if v]
+    up, down = s.network.max_upload_mbps, s.network.max_download_mbps
+    caps = "no cap (set one in Settings)" if not (up or down) else (
+        f"upload {f'{up:g} Mbit/s' if up else 'no cap'}, download {f'{down:g} Mbit/s' if down else 'no cap'}")
     return (
         "[b]Welcome to swarmstream[/]\n\n"
         f"This node will train [b]{st.run_name if st else 'a run'}[/] with other volunteers over the internet.\n\n"
         f"  GPU / device   {s.compute.device if s.compute.device != 'auto' else 'chosen automatically'}"
         f" (now: {st.device if st and st.device else 'not started'})\n"
-        f"  bandwidth      {', '.join(caps) if caps else 'no cap (set one in Settings)'}; only 4-bit "
-        "pseudo-gradients and the model's state are exchanged\n"
+        f"  bandwidth      {caps}\n"
+        "                 (only compressed updates and the model's state are exchanged)\n"
         f"  files          settings {st.settings_path if st else '-'}\n"
         f"                 data, checkpoints and your key {data_dir}\n"
         f"  schedule       {s.schedule.window or 'any time'}"
