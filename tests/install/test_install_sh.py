@@ -1,0 +1,177 @@
+"""installers/install.sh end to end, as a volunteer runs it: into a temporary HOME, from this
+checkout, with torch from the machine's local wheel folder. Then the installed command runs
+(--version, doctor, a short headless demo), a second run upgrades in place and adds the
+background service (systemd unit; the launchd agent through the OS override), and --uninstall
+leaves HOME exactly as it was, except the volunteer's own data, which --purge then deletes."""
+
+from __future__ import annotations
+
+import json
+import os
+import plistlib
+import shutil
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from protocol.manifest import RunAddress
+
+ROOT = Path(__file__).resolve().parents[2]
+INSTALL_SH = ROOT / "installers" / "install.sh"
+
+pytestmark = [pytest.mark.slow, pytest.mark.install]
+
+
+def local_wheel_dirs() -> list[Path]:
+    """The folders pip is configured to find wheels in (--find-links), as on this machine."""
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    dirs = []
+    for line in out.stdout.splitlines() + [f"env.find-links={os.environ.get('PIP_FIND_LINKS', '')}"]:
+        key, _, value = line.partition("=")
+        if key.endswith("find-links"):
+            dirs += [Path(v) for v in value.strip("'\"").split() if v and Path(v).is_dir()]
+    return dirs
+
+
+def torch_wheel_dir() -> Path:
+    want = version("torch").split("+")[0]
+    for d in local_wheel_dirs():
+        if list(d.glob(f"torch-{want}*.whl")):
+            return d
+    pytest.fail(f"no local torch-{want} wheel in pip's find-links {local_wheel_dirs()}: this test installs "
+                "torch offline from such a folder (as on the CI machine)")
+
+
+def files_under(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@pytest.fixture
+def home(tmp_path):
+    home = tmp_path / "home"
+    (home / ".local" / "bin").mkdir(parents=True)
+    (home / ".local" / "bin" / "other-tool").write_text("#!/bin/sh\n")  # not ours: must survive
+    return home
+
+
+def other_tools_homes() -> dict[str, str]:
+    """Tools of this machine that keep their state under HOME by default (the pyenv shims
+    that may be on PATH, rustup): pinned to where they are, so a new HOME holds only ours."""
+    env = {}
+    for var, default in (("PYENV_ROOT", ".pyenv"), ("RUSTUP_HOME", ".rustup"), ("CARGO_HOME", ".cargo")):
+        path = os.environ.get(var) or str(Path.home() / default)
+        if Path(path).is_dir():
+            env[var] = path
+    return env
+
+
+def installer(home: Path, *args: str, os_name: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("XDG_", "SWARMSTREAM_", "VIRTUAL_ENV", "PYTHONPATH"))}
+    # pip's wheel cache stays the real one: the same wheels, not a second download
+    env.update(other_tools_homes(), HOME=str(home), PIP_CACHE_DIR=os.environ.get("PIP_CACHE_DIR", str(Path.home() / ".cache" / "pip")))
+    # the installer finds a system Python, not the test's virtual environment
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                  if not Path(p, "activate").exists())
+    if os_name:
+        env["SWARMSTREAM_INSTALL_OS"] = os_name
+    out = subprocess.run(["bash", str(INSTALL_SH), *args], env=env, capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=600)
+    if check:
+        assert out.returncode == 0, f"install.sh {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
+    return out
+
+
+def run_installed(launcher: Path, home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "SWARMSTREAM_", "VIRTUAL_ENV"))}
+    env.update(other_tools_homes(), HOME=str(home))
+    return subprocess.run([str(launcher), *args], env=env, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=timeout)
+
+
+def test_install_run_upgrade_with_service_uninstall_and_purge(home, tmp_path):
+    before = files_under(home)
+    wheels = torch_wheel_dir()
+    torch_pin = f"torch=={version('torch').split('+')[0]}"
+    out = installer(home, "--wheels", str(wheels), "--torch", "cpu", "--torch-spec", torch_pin)
+    prefix = home / ".local" / "share" / "swarmstream" / "install"
+    launcher = home / ".local" / "bin" / "swarmstream"
+    assert f"installed swarmstream {version('swarmstream')} in {prefix}" in out.stdout
+    assert "is not on your PATH" in out.stdout  # and says how to add it
+    assert os.access(launcher, os.X_OK) and (prefix / "venv" / "bin" / "swarmstream").exists()
+
+    # the installed client works: its version, the doctor, and a short swarm of two peers
+    got = run_installed(launcher, home, "--version")
+    assert got.returncode == 0 and got.stdout.strip() == f"swarmstream {version('swarmstream')}"
+    doctor = run_installed(launcher, home, "doctor", "--offline")
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert "ok    torch" in doctor.stdout and str(prefix / "venv") in doctor.stdout  # the private environment
+    demo = run_installed(launcher, home, "demo", "--peers", "2", "--rounds", "1", "--headless",
+                         "--workdir", str(tmp_path / "demo"), timeout=240)
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    summary = json.loads(demo.stdout.strip().splitlines()[-1])
+    assert summary["finished"] == 2 and summary["global_copies_agree"] and summary["errors"] == []
+
+    # a second run upgrades in place (torch untouched) and adds the background service
+    address = str(RunAddress(bytes(range(20)), ("/ip4/127.0.0.1/tcp/4001/p2p/12D3KooW" + "A" * 44,)))
+    bad = installer(home, "--torch", "keep", "--service", "swarmstream:nonsense@/ip4/1.2.3.4/tcp/1/p2p/QmX", check=False)
+    errors = [line for line in bad.stderr.splitlines() if "error" in line]
+    assert bad.returncode == 1 and len(errors) == 1 and "not a run address" in errors[0]
+    out = installer(home, "--torch", "keep", "--service", address)
+    assert "upgrading it in place" in out.stdout
+    unit = home / ".config" / "systemd" / "user" / "swarmstream.service"
+    text = unit.read_text()
+    assert f'ExecStart="{prefix}/venv/bin/swarmstream" join {address} --headless' in text
+    assert "Restart=on-failure" in text and "WantedBy=default.target" in text
+    # the launchd agent of macOS, written through the OS override, is a valid property list
+    installer(home, "--torch", "keep", "--prefix", str(prefix), "--service", address, os_name="Darwin")
+    agent = home / "Library" / "LaunchAgents" / "org.swarmstream.node.plist"
+    plist = plistlib.loads(agent.read_bytes())
+    assert plist["ProgramArguments"] == [f"{prefix}/venv/bin/swarmstream", "join", address, "--headless"]
+    assert plist["KeepAlive"] == {"SuccessfulExit": False} and plist["RunAtLoad"] is True
+
+    # the volunteer's own data, made by the client since: uninstall keeps it
+    key = home / ".local" / "share" / "swarmstream" / "identity.key"
+    key.write_bytes(b"not really a key")
+    out = installer(home, "--uninstall")
+    assert "swarmstream is uninstalled" in out.stdout and "kept your identity key" in out.stdout
+    assert not launcher.exists() and not prefix.exists() and not unit.exists() and not agent.exists()
+    assert files_under(home) == before | {".local/share", ".local/share/swarmstream",
+                                          ".local/share/swarmstream/identity.key"}
+
+    # --purge deletes it, but only when confirmed (no terminal here: --yes)
+    refused = installer(home, "--uninstall", "--purge", check=False)
+    assert refused.returncode == 1 and "add --yes" in refused.stderr and key.exists()
+    installer(home, "--uninstall", "--purge", "--yes")
+    assert not key.exists()
+    # left: the XDG folder that now exists (made by the first install, not empty at uninstall)
+    assert files_under(home) == before | {".local/share"}
+
+
+def test_install_refuses_what_it_did_not_make(home, tmp_path):
+    """A launcher path taken by someone else's file, or a prefix that is not ours, is refused
+    with a one-line error, and nothing is changed."""
+    foreign = tmp_path / "not-ours"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("keep me")
+    out = installer(home, "--uninstall", "--prefix", str(foreign), check=False)
+    assert out.returncode == 1 and "was not made by this installer" in out.stderr
+    out = installer(home, "--prefix", str(foreign), "--torch", "keep", check=False)
+    assert out.returncode == 1 and "not made by this installer" in out.stderr
+    assert (foreign / "precious.txt").read_text() == "keep me"
+    out = installer(home, "--torch", "nightly", check=False)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "--torch must be" in out.stderr
+
+
+def test_the_shell_scripts_are_shellcheck_clean():
+    if shutil.which("shellcheck") is None:
+        if os.environ.get("CI"):
+            pytest.fail("shellcheck is not installed; .ci/run installs it with apt-get install shellcheck")
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck; CI installs it)")
+    scripts = sorted((ROOT / "installers").glob("*.sh"))
+    assert scripts
+    out = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
