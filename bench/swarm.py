@@ -1,27 +1,48 @@
-"""A real swarm on this machine: N nodes, each its own process and libp2p daemon, optionally in
-its own network namespace behind a ``tc tbf`` upload cap, for tau = 0 against tau > 0.
+"""A real swarm on this machine: N nodes (``python -m peer.node``), each its own process and
+libp2p daemon in its own network namespace behind a ``tc tbf`` upload cap, for tau = 0
+against tau = 1.
 
-Per run it prints and writes (JSON, with the machine and the commit):
-- compute utilization: time in inner steps / wall time, summed over peers;
-- bytes sent and received per peer per round, and what the butterfly arithmetic expects;
-- all-reduce latency (median and p90 over every sync of every peer);
-- how long training waited on the network per sync (``waited_s``: 0 when the average landed
-  within tau steps), which is what overlap (tau > 0) is meant to hide;
-- syncs alone, held-out loss, and whether all peers ended with the same global model.
+    python bench/swarm.py --quick                 # N = 2, 4; 2 rounds, H = 100; ~3 min
+    python bench/swarm.py                         # N = 2, 4, 8; 3 rounds, H = 160; ~10 min
+    python bench/swarm.py --rate 100mbit --tau 0,1,5 --out bench/results/swarm_100mbit.json
+    python bench/swarm.py --loopback              # all peers on 127.0.0.1, no cap
 
-    python bench/swarm.py --quick                     # N = 2, 4 on loopback, ~3 min
-    python bench/swarm.py                             # N = 2, 4, 8, tau 0 and 1, ~10 min
-    sudo python bench/swarm.py --netns --rate 20mbit  # each peer in a namespace, 20 Mbit/s up
+Per (N, tau, link) it prints and writes (JSON, with the machine and the commit):
+- wall time of the run (start of the first node to the exit of the last) and rounds completed;
+- compute utilization: time in inner steps / time in the training loop, summed over peers;
+- bytes sent and received per peer per round (a round = one sync of every fragment), and
+  what the butterfly arithmetic and the codec's exact sizes expect (no message overhead);
+- all-reduce latency, median and p90 over every sync of every peer (group formed to average
+  decoded; matchmaking is not in it);
+- how long training waited on the network per sync (``waited_s / syncs``): 0 when the
+  average landed within tau steps. It holds matchmaking too, which is what tau must hide;
+- syncs averaged alone, held-out loss of the global model (mean over peers), and whether all
+  peers ended with the same global model (one group: they must).
 
-Namespaces: a bridge ``ssbr0`` (10.77.0.254/24) and per peer a namespace ``ssN`` with a veth
-pair, the peer at 10.77.0.N+1; the cap is a tbf qdisc on the peer's side of its veth. Everything
-is removed at the end, and left-overs of a crashed run at the start. Needs root and iproute2.
+The run: tiny preset, ``stdlib`` corpus, Streaming DiLoCo with P = 2 and the fp4 codec, the
+demo's swarm timings (matchmaking 5 s, all-reduce deadline 30 s), alpha = 0 at tau = 0 and
+0.5 at tau > 0 (``protocol.config.SYNC_MODES``). Choose H so a round is long against the
+matchmaking floor (about ``0.5 * matchmaking_timeout_s`` per sync: the batch gap plus the
+settle time of ``peer.matchmaking``), or utilization only measures matchmaking.
+
+Network: a bridge ``ssbench-br`` (10.77.0.254/24) and per peer a namespace ``ssbenchI`` with
+a veth pair, the peer at 10.77.0.(I+1); the cap is a tbf qdisc on the peer's end of its veth,
+so it limits what the peer sends (its upload). Needs root, ``ip`` and ``tc``; without them
+the bench runs every peer on 127.0.0.1 with no cap and says so in the table and the JSON.
+Namespaces, bridge and node processes are removed at the end of every run, and what a crashed
+run left behind is removed at the start. ``netem`` is not available here; tbf is.
+
+The machine's cores are shared by all peers (one torch thread each): with 8 peers on 2 cores,
+an inner step is about 4x slower than alone, which raises utilization, not throughput.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -31,56 +52,133 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchutil import print_table, write_json  # noqa: E402
+from benchutil import print_table, write_json
 
-from peer.demo import Demo  # noqa: E402
-from peer.identity_store import load_or_create_identity  # noqa: E402
-from protocol.butterfly import bytes_sent  # noqa: E402
-from protocol.codecs import get_codec  # noqa: E402
-from protocol.config import DataConfig, InnerConfig, SyncConfig, TrainConfig, model_preset  # noqa: E402
-from protocol.manifest import RunManifest, SwarmConfig, sign_manifest  # noqa: E402
+from peer.demo import Demo
+from peer.identity_store import load_or_create_identity
+from protocol.butterfly import bytes_sent
+from protocol.codecs import get_codec
+from protocol.config import (
+    DataConfig,
+    InnerConfig,
+    SyncConfig,
+    TrainConfig,
+    model_preset,
+)
+from protocol.manifest import RunManifest, SwarmConfig, sign_manifest
 
-BRIDGE = "ssbr0"
+BRIDGE = "ssbench-br"
+NS = "ssbench"  # namespace ssbenchI; its veth pair is ssbenchIh (host side) / ssbenchIp (peer side)
+SUBNET = "10.77.0"
+# pids (= process groups: the demo starts each node in its own session) of the nodes of the run
+# in progress, so a run that was killed outright can have its nodes killed by the next one
+PIDFILE = Path(tempfile.gettempdir()) / "swarmstream-bench-swarm.pids"
+TBF_LATENCY = "200ms"  # the longest a packet may queue behind the cap before tbf drops it
 
 
-def sh(*cmd: str, check: bool = True) -> None:
-    subprocess.run(cmd, check=check, capture_output=True, timeout=30)
+class BenchError(Exception):
+    """A command of the network setup failed."""
 
 
-def teardown(n: int = 16) -> None:
-    for i in range(n):
-        sh("ip", "netns", "del", f"ss{i}", check=False)
-        sh("ip", "link", "del", f"vss{i}", check=False)
+def sh(*cmd: str, check: bool = True) -> str:
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=30)
+    if check and out.returncode != 0:
+        raise BenchError(f"{' '.join(cmd)}: {out.stderr.strip() or f'exit {out.returncode}'}")
+    return out.stdout
+
+
+def rate_bits(rate: str) -> float:
+    """tc's rate syntax, as far as this bench needs it: '20mbit' -> 20e6 (bits per second)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)", rate.strip().lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"rate {rate!r}: use tc's syntax, e.g. 20mbit or 500kbit")
+    return float(m[1]) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[m[2]]
+
+
+def rate_arg(text: str) -> str | None:
+    """--rate: a tc rate (checked here, not at the first tc call) or 'none'."""
+    if text == "none":
+        return None
+    rate_bits(text)
+    return text
+
+
+def kill_strays() -> None:
+    """Kill the nodes a crashed run of this bench left running (checked by command line, so a
+    pid reused since by something else is left alone)."""
+    if not PIDFILE.exists():
+        return
+    for pid in (int(x) for x in PIDFILE.read_text().split()):
+        try:
+            if b"peer.node" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.killpg(pid, signal.SIGKILL)  # the node and its libp2p daemon
+                print(f"killed node {pid} left by an earlier run", file=sys.stderr)
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # already gone
+    PIDFILE.unlink()
+
+
+def teardown() -> None:
+    """Remove this bench's namespaces (killing whatever still runs in them), veths and bridge."""
+    for ns in re.findall(rf"^({NS}\d+)\b", sh("ip", "netns", "list", check=False), re.MULTILINE):
+        for pid in sh("ip", "netns", "pids", ns, check=False).split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        sh("ip", "netns", "del", ns, check=False)  # takes the veth pair with it
+    for veth in re.findall(rf"^\d+: ({NS}\d+h)[@:]", sh("ip", "-o", "link", "show", check=False), re.MULTILINE):
+        sh("ip", "link", "del", veth, check=False)  # a pair created but never moved into its namespace
     sh("ip", "link", "del", BRIDGE, check=False)
 
 
 def setup(n: int, rate: str | None) -> None:
+    """Bridge, n namespaces with a veth pair each, and the upload cap on each peer's end."""
     teardown()
     sh("ip", "link", "add", BRIDGE, "type", "bridge")
-    sh("ip", "addr", "add", "10.77.0.254/24", "dev", BRIDGE)
+    sh("ip", "addr", "add", f"{SUBNET}.254/24", "dev", BRIDGE)
     sh("ip", "link", "set", BRIDGE, "up")
     for i in range(n):
-        ns, host, peer = f"ss{i}", f"vss{i}", f"vssp{i}"
+        ns, host, peer = f"{NS}{i}", f"{NS}{i}h", f"{NS}{i}p"
         sh("ip", "netns", "add", ns)
         sh("ip", "link", "add", host, "type", "veth", "peer", "name", peer)
         sh("ip", "link", "set", peer, "netns", ns)
         sh("ip", "link", "set", host, "master", BRIDGE)
         sh("ip", "link", "set", host, "up")
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"10.77.0.{i + 1}/24", "dev", peer)
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", peer)
         sh("ip", "netns", "exec", ns, "ip", "link", "set", peer, "up")
         sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
         if rate:
+            # burst: 10 ms at the rate (tbf needs at least rate/HZ to reach it), not less than 16 KiB
+            burst = max(16 << 10, int(rate_bits(rate) / 8 / 100))
             sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", peer, "root", "tbf", "rate", rate,
-               "burst", "64kb", "latency", "400ms")
+               "burst", str(burst), "latency", TBF_LATENCY)
 
 
-def manifest(work: Path, tau: int, H: int, group_size: int) -> tuple[bytes, TrainConfig]:
+def netns_unavailable(rate: str | None) -> str:
+    """Why this machine cannot run peers in namespaces behind caps ('' if it can)."""
+    if os.geteuid() != 0:
+        return "not root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"no {' or '.join(missing)} on PATH"
+    try:
+        setup(1, rate)  # one namespace with its cap, to find out
+    except (BenchError, OSError, subprocess.SubprocessError) as e:
+        return f"network setup failed: {e}"
+    finally:
+        teardown()
+    return ""
+
+
+def run_manifest(work: Path, tau: int, H: int, rounds: int, mm_timeout_s: float) -> tuple[bytes, TrainConfig]:
+    """The signed manifest of one run (like ``peer.demo.demo_manifest``, with our H and tau)."""
     ident = load_or_create_identity(work / "creator.key")
     train = TrainConfig(model=model_preset("tiny"), data=DataConfig(source="stdlib"),
-                        inner=InnerConfig(lr=3e-3, warmup_steps=20, total_steps=2000, batch_size=8),
+                        inner=InnerConfig(lr=3e-3, warmup_steps=20, total_steps=rounds * H, batch_size=8),
                         sync=SyncConfig(inner_steps=H, fragments=2, overlap=tau, alpha=0.5 if tau else 0.0,
                                         codec="fp4"))
-    swarm = SwarmConfig(group_size=group_size, matchmaking_timeout_s=5.0, allreduce_timeout_s=30.0,
+    swarm = SwarmConfig(group_size=8, matchmaking_timeout_s=mm_timeout_s, allreduce_timeout_s=30.0,
                         heartbeat_interval_s=3.0, heartbeat_ttl_s=10.0)
     m = RunManifest(name=f"bench tau={tau}", description="bench/swarm.py", train=train, swarm=swarm,
                     creator=ident.public_key, created_at=time.time())
@@ -88,89 +186,138 @@ def manifest(work: Path, tau: int, H: int, group_size: int) -> tuple[bytes, Trai
 
 
 def expected_bytes_per_round(train: TrainConfig, n: int) -> float:
-    """What one peer sends per full round (every fragment once) in a group of n, by the
-    butterfly arithmetic and the codec's exact sizes."""
+    """What one peer sends, on average over the group, per round (every fragment once) in a
+    group of n, by the butterfly arithmetic and the codec's exact sizes."""
     from peer.worker import Worker
 
     codec = get_codec(train.sync.codec)
-    worker = Worker(train)
-    total = 0
-    for frag in worker.outer:
-        sent = bytes_sent(frag.global_flat.numel(), n, codec.encoded_size)
-        total += sum(sent) / n
+    total = 0.0
+    for frag in Worker(train).outer:
+        total += sum(bytes_sent(frag.global_flat.numel(), n, codec.encoded_size)) / n
     return total
 
 
-def run_one(n: int, tau: int, rounds: int, H: int, netns: bool, rate: str | None) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="ss-bench-", dir="/tmp"))
-    signed, train = manifest(work, tau, H, group_size=max(8, n))
-    launcher = {i: ["ip", "netns", "exec", f"ss{i}"] for i in range(n)} if netns else None
-    listen = {i: f"/ip4/10.77.0.{i + 1}/tcp/0" for i in range(n)} if netns else None
-    if netns:
-        setup(n, rate)
-    demo = Demo(n, rounds=rounds, workdir=work, manifest=signed, launcher=launcher, listen=listen,
-                checkpoint_every_s=1e9)
+def p90(xs: list[float]) -> float:
+    """Nearest-rank 90th percentile."""
+    xs = sorted(xs)
+    return xs[max(0, -(-9 * len(xs) // 10) - 1)] if xs else float("nan")
+
+
+def run_one(n: int, tau: int, args: argparse.Namespace, netns: bool) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="ss-bench-"))
+    signed, train = run_manifest(work, tau, args.inner_steps, args.rounds, args.matchmaking_timeout)
+    launcher = {i: ["ip", "netns", "exec", f"{NS}{i}"] for i in range(n)} if netns else None
+    listen = {i: f"/ip4/{SUBNET}.{i + 1}/tcp/0" for i in range(n)} if netns else None
+    demo = Demo(n, rounds=args.rounds, workdir=work, manifest=signed, launcher=launcher, listen=listen,
+                checkpoint_every_s=1e9)  # no checkpoints but the last: they are not what we measure
+    timed_out = False
     t0 = time.monotonic()
     try:
+        if netns:
+            setup(n, args.rate)
         demo.start()
+        PIDFILE.write_text(" ".join(str(p.pid) for p in demo.procs.values()))
+        deadline = t0 + args.run_timeout
+        for p in demo.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+        wall = time.monotonic() - t0
+        demo.stop()  # on a timeout: SIGINT, so the nodes land what is in flight and still report
         summary = demo.wait()
     finally:
-        demo.stop()
+        demo.stop()  # after a crash or Ctrl+C above: SIGINT, then SIGKILL to what is left
         if netns:
-            teardown(n)
-    wall = time.monotonic() - t0
-    s = list(demo.summaries.values())
-    if len(s) < n:
-        raise SystemExit(f"bench: only {len(s)} of {n} peers finished; logs in {work}")
-    lat = sorted(x for p in s for x in p["allreduce_s"])
+            teardown()
+        PIDFILE.unlink(missing_ok=True)
+
+    s = [demo.summaries[i] for i in sorted(demo.summaries)]
+    lat = [x for p in s for x in p["allreduce_s"]]
     syncs = sum(p["syncs"] for p in s)
-    per_round = [p["bytes_sent"] / max(1, p["rounds"]) for p in s]
-    recv_round = [p["bytes_received"] / max(1, p["rounds"]) for p in s]
+    steps = sum(p["steps"] for p in s)
+    rounds = [max(1, p["rounds"]) for p in s]
     return {
-        "peers": n, "tau": tau, "rate": rate or ("none" if netns else "loopback"), "wall_s": wall,
-        "rounds": summary["rounds"], "utilization": sum(p["inner_s"] for p in s) / sum(p["wall_s"] for p in s),
-        "sent_kb_per_round": statistics.mean(per_round) / 1e3,
-        "recv_kb_per_round": statistics.mean(recv_round) / 1e3,
+        "peers": n, "tau": tau, "link": (args.rate or "no cap") if netns else "loopback",
+        "finished": len(s), "timed_out": timed_out, "errors": summary["errors"], "workdir": str(work),
+        "wall_s": wall, "train_s": statistics.mean(p["wall_s"] for p in s) if s else float("nan"),
+        "rounds": summary["rounds"], "steps_per_peer": steps / max(1, len(s)),
+        "step_ms": 1e3 * sum(p["inner_s"] for p in s) / max(1, steps),
+        "utilization": sum(p["inner_s"] for p in s) / max(1e-9, sum(p["wall_s"] for p in s)),
+        "sent_kb_per_round": statistics.mean(p["bytes_sent"] / r for p, r in zip(s, rounds)) / 1e3 if s else 0.0,
+        "recv_kb_per_round": statistics.mean(p["bytes_received"] / r for p, r in zip(s, rounds)) / 1e3 if s else 0.0,
         "expected_kb_per_round": expected_bytes_per_round(train, n) / 1e3,
         "allreduce_median_s": statistics.median(lat) if lat else float("nan"),
-        "allreduce_p90_s": lat[int(0.9 * (len(lat) - 1))] if lat else float("nan"),
-        "waited_per_sync_s": sum(p["waited_s"] for p in s) / max(1, syncs),
-        "syncs_alone": summary["syncs_alone"], "heldout": summary["heldout_loss"],
-        "agree": summary["global_copies_agree"], "workdir": str(work),
+        "allreduce_p90_s": p90(lat),
+        "syncs": syncs, "waited_per_sync_s": sum(p["waited_s"] for p in s) / max(1, syncs),
+        "syncs_alone": summary["syncs_alone"], "heldout_loss": summary["heldout_loss"] or float("nan"),
+        "global_copies_agree": summary["global_copies_agree"],
+        "digests": len({p["global_digest"] for p in s}),
+        "summaries": s,  # every node's own summary line, for a closer look
     }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", default="2,4,8", help="comma-separated swarm sizes (default 2,4,8)")
-    ap.add_argument("--tau", default="0,1", help="comma-separated overlaps in inner steps (default 0,1)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of every fragment per run (default 3)")
-    ap.add_argument("-H", "--inner-steps", type=int, default=20)
-    ap.add_argument("--netns", action="store_true", help="one network namespace per peer (root)")
-    ap.add_argument("--rate", help="tbf upload cap per peer with --netns, e.g. 20mbit or 100mbit")
-    ap.add_argument("--quick", action="store_true", help="N = 2, 4 and 2 rounds")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--tau", default="0,1", help="comma-separated overlaps tau, in inner steps (default 0,1)")
+    ap.add_argument("--rounds", type=int, help="rounds of every fragment per run (default 3, quick 2)")
+    ap.add_argument("-H", "--inner-steps", type=int,
+                    help="H, inner steps per round (default 160, quick 100): long enough that compute, "
+                         "not the ~2.5 s matchmaking floor per sync, fills most of a round")
+    ap.add_argument("--rate", default="20mbit", type=rate_arg,
+                    help="tbf upload cap per peer in tc syntax (default 20mbit; 'none': namespaces, no cap)")
+    ap.add_argument("--loopback", action="store_true", help="all peers on 127.0.0.1, no namespaces, no cap")
+    ap.add_argument("--matchmaking-timeout", type=float, default=5.0,
+                    help="the run's matchmaking_timeout_s (default 5, the demo's); ~half of it is waited per sync")
+    ap.add_argument("--run-timeout", type=float, default=300.0,
+                    help="seconds before a run's nodes are stopped and it is reported as timed out (default 300)")
+    ap.add_argument("--quick", action="store_true", help="N = 2, 4; 2 rounds of H = 100 (~3 min)")
+    ap.add_argument("--out", type=Path, help="JSON path (default bench/results/swarm.json)")
     args = ap.parse_args()
-    if args.netns and os.geteuid() != 0:
-        raise SystemExit("bench: --netns needs root (ip netns, tc); run without it for loopback")
-    if args.rate and not args.netns:
-        raise SystemExit("bench: --rate needs --netns (the cap is a tbf qdisc on each peer's veth)")
     peers = [2, 4] if args.quick else [int(x) for x in args.peers.split(",")]
-    rounds = 2 if args.quick else args.rounds
+    taus = [int(x) for x in args.tau.split(",")]
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.inner_steps = args.inner_steps or (100 if args.quick else 160)
+
+    kill_strays()
+    reason = "--loopback" if args.loopback else netns_unavailable(args.rate)
+    netns = not reason
+    network = (f"one namespace per peer, tbf upload cap {args.rate or 'none'}" if netns
+               else f"127.0.0.1, no cap ({reason})")
+    print(f"network: {network}", file=sys.stderr, flush=True)
+
     rows = []
     for n in peers:
-        for tau in (int(x) for x in args.tau.split(",")):
-            print(f"running {n} peers, tau={tau}, {rounds} rounds ...", file=sys.stderr, flush=True)
-            rows.append(run_one(n, tau, rounds, args.inner_steps, args.netns, args.rate))
-    print_table(rows, [("peers", "N", "d"), ("tau", "tau", "d"), ("rate", "link", "s"), ("wall_s", "wall s", ".0f"),
-                       ("rounds", "rounds", "d"), ("utilization", "util", ".2f"),
+        for tau in taus:
+            print(f"running {n} peers, tau={tau}, {args.rounds} rounds of H={args.inner_steps} ...",
+                  file=sys.stderr, flush=True)
+            row = run_one(n, tau, args, netns)
+            rows.append(row)
+            print(f"  {row['wall_s']:.0f} s, {row['finished']}/{n} finished, utilization {row['utilization']:.2f}, "
+                  f"waited {row['waited_per_sync_s']:.2f} s/sync" + (" TIMED OUT" if row["timed_out"] else ""),
+                  file=sys.stderr, flush=True)
+            for err in row["errors"]:
+                print(f"  {err}", file=sys.stderr)
+
+    print()
+    print(f"tiny preset, P=2, fp4, H={args.inner_steps}, {args.rounds} rounds; network: {network}")
+    print_table(rows, [("peers", "N", "d"), ("tau", "tau", "d"), ("link", "link", "s"),
+                       ("finished", "done", "d"), ("wall_s", "wall s", ".0f"), ("rounds", "rounds", "d"),
+                       ("step_ms", "step ms", ".0f"), ("utilization", "util", ".2f"),
                        ("sent_kb_per_round", "sent KB/rnd", ".1f"), ("expected_kb_per_round", "expect KB", ".1f"),
                        ("recv_kb_per_round", "recv KB/rnd", ".1f"), ("allreduce_median_s", "AR med s", ".2f"),
                        ("allreduce_p90_s", "AR p90 s", ".2f"), ("waited_per_sync_s", "wait/sync s", ".2f"),
-                       ("syncs_alone", "alone", "d"), ("heldout", "held-out", ".4f"), ("agree", "agree", "")])
-    out = write_json(args.out, "swarm", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
-    print(f"wrote {out}")
-    return 0
+                       ("syncs_alone", "alone", "d"), ("heldout_loss", "held-out", ".4f"),
+                       ("global_copies_agree", "agree", "")])
+    out = write_json(args.out, "swarm", {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "network": {"namespaces": netns, "rate": args.rate if netns else None, "fallback_reason": reason or None,
+                    "description": network},
+        "rows": rows})
+    print(f"\nwrote {out}")
+    return 0 if all(r["finished"] == r["peers"] and not r["timed_out"] for r in rows) else 1
 
 
 if __name__ == "__main__":
