@@ -31,8 +31,8 @@ Install or upgrade:
   --torch KIND        auto | cuda | mps | cpu | keep (default auto: cuda when an NVIDIA driver
                       answers, mps on Apple silicon, cpu otherwise; keep: leave torch as is)
   --torch-spec SPEC   the torch requirement (default "torch>=2.3"), e.g. "torch==2.5.1"
-  --torch-index URL   the package index torch comes from (default: PyPI; for cpu on Linux
-                      the PyTorch CPU index, which is a 200 MB download instead of 2.5 GB)
+  --torch-index URL   the only package index torch comes from (default: PyPI; for cpu on
+                      Linux also the PyTorch CPU index: a 200 MB download instead of GBs)
   --wheels DIR        a folder of wheels to install from first (offline machines: with --offline)
   --offline           use only --wheels DIR, never a package index
   --from SRC          what to install: a source folder, a wheel, or a pip requirement
@@ -542,17 +542,20 @@ install() {
     if [ "$TORCH" = keep ]; then
         say "leaving torch as it is (--torch keep)"
     else
-        local index="$TORCH_INDEX"
-        if [ -z "$index" ] && [ "$TORCH" = cpu ] && [ "$OS" = Linux ] && [ -z "$WHEELS" ]; then
-            index="$CPU_INDEX"
-        fi
-        say "torch build: $TORCH, $TORCH_SPEC from ${WHEELS:+$WHEELS, then }${index:-the default package index}"
         # installed only when the environment has no torch that satisfies the spec: an upgrade
         # keeps the multi-GB torch you have
-        if [ -n "$index" ]; then
-            pip_in_venv --quiet --index-url "$index" "$TORCH_SPEC" \
-                || die "could not install $TORCH_SPEC from $index (offline? get the wheel elsewhere, then --wheels DIR --offline)"
+        if [ -n "$TORCH_INDEX" ]; then
+            say "torch build: $TORCH, $TORCH_SPEC from ${WHEELS:+$WHEELS, then }$TORCH_INDEX"
+            pip_in_venv --quiet --index-url "$TORCH_INDEX" "$TORCH_SPEC" \
+                || die "could not install $TORCH_SPEC from $TORCH_INDEX (offline? get the wheel elsewhere, then --wheels DIR --offline)"
+        elif [ "$TORCH" = cpu ] && [ "$OS" = Linux ] && [ -z "$WHEELS" ]; then
+            # beside the default index, not instead of it: torch's own dependencies come from
+            # there, and pip prefers 2.x.y+cpu over 2.x.y of the same version
+            say "torch build: cpu, $TORCH_SPEC, the CPU-only build from $CPU_INDEX"
+            pip_in_venv --quiet --extra-index-url "$CPU_INDEX" "$TORCH_SPEC" \
+                || die "could not install $TORCH_SPEC (offline? get the wheel elsewhere, then --wheels DIR --offline)"
         else
+            say "torch build: $TORCH, $TORCH_SPEC from ${WHEELS:+$WHEELS, then }the default package index"
             pip_in_venv --quiet "$TORCH_SPEC" \
                 || die "could not install $TORCH_SPEC (offline? get the wheel elsewhere, then --wheels DIR --offline)"
         fi
