@@ -51,7 +51,7 @@ class Demo:
                  on_event: Callable[[int, dict], None] | None = None, checkpoint_every_s: float = 120.0,
                  envs: dict[int, dict[str, str]] | None = None, listen: dict[int, str] | None = None,
                  manifest: bytes | None = None, device: str = "cpu",
-                 launcher: dict[int, list[str]] | None = None):
+                 launcher: dict[int, list[str]] | None = None, args: dict[int, list[str]] | None = None):
         if peers < 1:
             raise DemoError("a demo needs at least one peer")
         self.peers, self.rounds, self.checkpoint_every_s = peers, rounds, checkpoint_every_s
@@ -59,6 +59,7 @@ class Demo:
         self.listen = listen or {}  # per-peer listen multiaddr (default 127.0.0.1, any port)
         self.manifest, self.device = manifest, device  # another run than the demo's (benchmarks)
         self.launcher = launcher or {}  # per-peer command prefix, e.g. ["ip", "netns", "exec", "ss3"]
+        self.args = args or {}  # per-peer extra node flags, e.g. ["--reachability", "private"]
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="swarmstream-demo-"))
         self.on_event = on_event or (lambda i, ev: None)
         self.procs: dict[int, subprocess.Popen] = {}
@@ -86,6 +87,7 @@ class Demo:
             cmd += ["--min-peers", str(self.peers)]
         if self.rounds is not None:
             cmd += ["--rounds", str(self.rounds)]
+        cmd += self.args.get(i, [])
         log = open(self.dir / f"peer{i}.log", "ab")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)  # Ctrl+C reaches the demo, which stops peers in order

@@ -78,6 +78,15 @@ class NetworkError(Exception):
     """The network could not start or a network call failed; the message says what to do."""
 
 
+def circuit_maddr(base: str, relay_id: str) -> Multiaddr:
+    """``base/p2p/RELAY/p2p-circuit`` as the daemon decodes it. hivemind's Multiaddr writes the
+    /p2p/ part as a CID, which the daemon's connect call rejects; this writes the multihash."""
+    relay = PeerID.from_base58(relay_id).to_bytes()
+    if len(relay) > 127:
+        raise ValueError(f"relay peer ID {relay_id[:16]}... is too long")
+    return Multiaddr(Multiaddr(base).to_bytes() + b"\xa5\x03" + bytes([len(relay)]) + relay + b"\xa2\x02")
+
+
 @dataclass(kw_only=True, slots=True)
 class NetworkConfig:
     identity_path: str
@@ -90,8 +99,13 @@ class NetworkConfig:
     """Bootstrap multiaddrs ending in /p2p/PEER_ID; empty to start a new swarm."""
     use_relay: bool = True
     """Let peers behind NAT reach us and others through libp2p circuit relays."""
-    use_auto_relay: bool = False
-    """Look for a relay to become reachable when we are behind NAT."""
+    use_auto_relay: bool = True
+    """Reserve a slot on relays (the bootstrap peers, and others found) when libp2p's AutoNAT
+    finds us unreachable, so peers can reach us through them."""
+    reachability: str = "auto"
+    """``auto``: AutoNAT decides. ``public``: we have a dialable address (bootstrap and relay
+    peers say so, and serve as relays at once). ``private``: we are behind a NAT or firewall that
+    takes no inbound connections: a DHT client, reached through relays (``relay_maddrs``)."""
     startup_timeout_s: float = 20.0
     client_mode: bool = False
     """A DHT client stores nothing for others (for peers that cannot accept connections)."""
@@ -131,8 +145,9 @@ class Network:
                 initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
                 announce_maddrs=list(cfg.announce_maddrs) or None, identity_path=cfg.identity_path,
                 use_relay=cfg.use_relay, use_auto_relay=cfg.use_auto_relay,
+                force_reachability=None if cfg.reachability == "auto" else cfg.reachability,
                 startup_timeout=cfg.startup_timeout_s, check_if_identity_free=False,
-                dht_mode="client" if cfg.client_mode else "server", **cfg.extra)
+                dht_mode="client" if self.client_mode else "server", **cfg.extra)
         except P2PDaemonError as e:
             if "bootstrap" in str(e):
                 raise NetworkError(f"none of the bootstrap peers answered ({', '.join(cfg.initial_peers)}); "
@@ -141,7 +156,7 @@ class Network:
                                f"({', '.join(cfg.host_maddrs)}) is free and valid") from None
         try:
             self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=list(cfg.initial_peers) or None,
-                                            client_mode=cfg.client_mode, ensure_bootstrap_success=True,
+                                            client_mode=self.client_mode, ensure_bootstrap_success=True,
                                             record_validator=RecordOwnerValidator())
         except RuntimeError as e:
             if "bootstrap" in str(e):
@@ -174,6 +189,32 @@ class Network:
     def peer_id(self) -> str:
         assert self.p2p is not None
         return self.p2p.peer_id.to_base58()
+
+    @property
+    def client_mode(self) -> bool:
+        """A peer nobody can dial stores nothing for others in the DHT."""
+        return self.cfg.client_mode or self.cfg.reachability == "private"
+
+    def relay_maddrs(self) -> list[str]:
+        """Where a ``private`` peer can be reached: through each bootstrap peer, which holds a
+        relay reservation for us (libp2p's autorelay makes it; these circuit addresses are not
+        in ``visible_maddrs`` when the relays' own addresses are private-range ones)."""
+        return [f"{b}/p2p-circuit/p2p/{self.peer_id}" for b in self.cfg.initial_peers]
+
+    async def connect_relayed(self, peer_id: str, maddrs: list[str]) -> bool:
+        """Open a connection to a peer through the relays in its ``/p2p-circuit`` addresses,
+        so our streams to it (averaging, state downloads) reuse it. True when one worked."""
+        assert self.p2p is not None
+        peer = PeerID.from_base58(peer_id)
+        for text in maddrs:
+            try:
+                relay_part = text.split("/p2p-circuit", 1)[0]
+                base, relay_id = relay_part.rsplit("/p2p/", 1)
+                await self.p2p._client.connect(peer, [circuit_maddr(base, relay_id)])
+                return True
+            except Exception as e:  # a relay that is gone, or holds no reservation for them
+                log.info("no relayed connection to peer=%s via=%s reason=%s", peer_id[-8:], text, e)
+        return False
 
     def visible_maddrs(self) -> list[str]:
         """Addresses others can dial us at, each ending in /p2p/OUR_PEER_ID."""

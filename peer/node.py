@@ -105,6 +105,8 @@ class NodeConfig:
     """The control socket to serve (None: none)."""
     settings_path: Path | None = None
     """The volunteer's settings file (None: the defaults, not persisted)."""
+    reachability: str = "auto"
+    """auto, public or private (see ``peer.network.NetworkConfig.reachability``)."""
     wait_for_confirm: bool = False
     """Start paused until the volunteer confirms, if the settings say they have not yet."""
 
@@ -218,7 +220,8 @@ class Node:
                 self._log_handler = _LogToControl(self)
                 logging.getLogger().addHandler(self._log_handler)
             self.net = Network(NetworkConfig(identity_path=str(cfg.identity_path), host_maddrs=cfg.host_maddrs,
-                                             initial_peers=cfg.initial_peers, announce_maddrs=cfg.announce_maddrs))
+                                             initial_peers=cfg.initial_peers, announce_maddrs=cfg.announce_maddrs,
+                                             reachability=cfg.reachability))
         except BaseException:
             self._release()
             raise
@@ -868,7 +871,10 @@ class Node:
         step = w.step if w else self._last_step()
         tput = w.tokens / max(self.stats.inner_s, 1e-9) if w and self.state != "paused" else 0.0
         try:
-            self._maddrs = self.net.visible_maddrs()
+            # behind a NAT, our listening addresses are no use to anyone: we are reached
+            # through the relays we hold reservations on
+            self._maddrs = (self.net.relay_maddrs() if self.cfg.reachability == "private"
+                            else self.net.visible_maddrs())
         except Exception as e:
             log.info("could not read our addresses reason=%r", e)
         hb = Heartbeat(run_id=self.run_id, sent_at=now, state=self.state, step=step,
@@ -942,6 +948,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--control", type=Path, default=None,
                     help=f"the control socket to serve (default {paths.control_path()}; 'none' for none)")
     ap.add_argument("--settings", type=Path, default=None, help=f"settings file (default {paths.settings_path()})")
+    ap.add_argument("--reachability", choices=("auto", "public", "private"), default="auto",
+                    help="auto: libp2p finds out; public: this machine has a dialable address (bootstrap "
+                         "and relay peers); private: behind a NAT with no inbound connections (reached "
+                         "through relays on the bootstrap peers)")
     ap.add_argument("--wait-for-confirm", action="store_true",
                     help="start paused until the volunteer confirms in the dashboard (first run)")
     ap.add_argument("--eval-every", type=int, default=1, help="held-out loss every N full rounds (0: never)")
@@ -960,6 +970,7 @@ def main(argv: list[str] | None = None) -> int:
                      initial_peers=tuple(initial), device=args.device, max_rounds=args.rounds,
                      checkpoint_every_s=args.checkpoint_every, min_peers=args.min_peers, control_path=control,
                      settings_path=args.settings or paths.settings_path(), wait_for_confirm=args.wait_for_confirm,
+                     reachability=args.reachability,
                      eval_every_rounds=args.eval_every)
     def print_event(ev: dict) -> None:
         try:

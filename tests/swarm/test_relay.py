@@ -1,0 +1,116 @@
+"""A peer that nobody can dial trains with the swarm, and can be reached through relays.
+
+Five real nodes, each in its own network namespace on a bridge (10.78.0.0/24). Peers 0-3 listen
+on their namespace's address and say they are publicly reachable, which makes them relays too.
+Peer 4 stands for a volunteer behind a NAT: it listens only on its namespace's loopback, so no
+other peer can open a connection to it; it dials out. It holds relay reservations on its
+bootstrap peers (libp2p's autorelay) and announces `/p2p-circuit` addresses through them in its
+heartbeat. It must say it is `relayed`, average in groups with the others, be reachable through
+a relay by a peer outside the swarm that has no other way to it, and end with the same global
+model as everyone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from peer.demo import Demo
+from peer.identity_store import load_or_create_identity
+from protocol.messages_control import FinishAndStop, GetStatus
+from swarm_util import Events
+from tui.control_client import call
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+N = 5
+PRIVATE = N - 1
+PROBE = N  # one more namespace, for a peer outside the swarm that reaches PRIVATE through a relay
+BRIDGE, NS, SUBNET, PORT = "ssrelay-br", "ssrelay", "10.78.0", 43100
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+
+def teardown() -> None:
+    for i in range(N + 1):
+        subprocess.run(["ip", "netns", "del", f"{NS}{i}"], capture_output=True, timeout=30)
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def namespaces():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        if os.environ.get("CI"):
+            pytest.fail("this test needs root and iproute2 (ip netns) to build its network")
+        pytest.skip("needs root and iproute2 (ip netns): CI runs it")
+    teardown()  # what a crashed run left
+    sh("ip", "link", "add", BRIDGE, "type", "bridge")
+    sh("ip", "addr", "add", f"{SUBNET}.254/24", "dev", BRIDGE)
+    sh("ip", "link", "set", BRIDGE, "up")
+    for i in range(N + 1):
+        ns, host, peer = f"{NS}{i}", f"{NS}{i}h", f"{NS}{i}p"
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", host, "type", "veth", "peer", "name", peer)
+        sh("ip", "link", "set", peer, "netns", ns)
+        sh("ip", "link", "set", host, "master", BRIDGE)
+        sh("ip", "link", "set", host, "up")
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", peer)
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", peer, "up")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+    yield
+    teardown()
+
+
+def test_a_peer_nobody_can_dial_trains_through_relays(namespaces, demos):
+    workdir = Path(tempfile.mkdtemp(prefix="ss-relay-", dir="/tmp"))  # short: unix socket paths
+    public = {i: f"/ip4/{SUBNET}.{i + 1}/tcp/{PORT + i}" for i in range(PRIVATE)}
+    ids = {i: load_or_create_identity(workdir / f"peer{i}.key").peer_id for i in range(N)}
+    listen = {**public, PRIVATE: "/ip4/127.0.0.1/tcp/0"}  # its own loopback: undialable from outside
+    args = {i: ["--reachability", "public"] for i in public}
+    # the private peer bootstraps through every public peer: each becomes one of its relays
+    args[PRIVATE] = ["--reachability", "private",
+                     "--initial-peers", *(f"{public[i]}/p2p/{ids[i]}" for i in range(1, PRIVATE))]
+    events = Events()
+    demo = Demo(N, rounds=None, workdir=workdir, on_event=events, listen=listen, args=args,
+                launcher={i: ["ip", "netns", "exec", f"{NS}{i}"] for i in range(N)})
+    demos.append(demo)
+    demo.start()
+
+    sock = demo.control_path(PRIVATE)
+    # it averages in groups with the others, over the connections it opened to them
+    _, ev = events.wait_for(lambda i, ev: i == PRIVATE and ev.get("event") == "synced" and not ev["alone"],
+                            timeout=240)
+    st = call(sock, GetStatus)
+    assert st.reachability == "relayed", st.reachability
+    assert st.peers == N
+
+    # a peer outside the swarm, in a namespace of its own, has no way to it but a relay: it
+    # connects through one of the public peers' circuits (autorelay picks which hold its
+    # reservations) and asks for the state it serves, over that connection
+    circuits = [f"{public[i]}/p2p/{ids[i]}/p2p-circuit/p2p/{ids[PRIVATE]}" for i in public]
+    probe = subprocess.run(["ip", "netns", "exec", f"{NS}{PROBE}", sys.executable, str(HERE / "relay_probe.py"),
+                            str(workdir / "probe.key"), f"/ip4/{SUBNET}.{PROBE + 1}/tcp/0", f"{public[0]}/p2p/{ids[0]}",
+                            demo.address.split(":", 1)[1].split("@", 1)[0], ids[PRIVATE], *circuits],
+                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    assert json.loads(probe.stdout.strip().splitlines()[-1]) == {"connected": True, "answered": True}, probe.stderr[-3000:]
+
+    # two more rounds, then everyone finishes; the private peer ends with the same model
+    events.wait_for(lambda i, e: i == PRIVATE and e.get("event") == "synced" and e["round"] >= ev["round"] + 2,
+                    timeout=240)
+    for i in range(N):
+        call(demo.control_path(i), FinishAndStop)
+    summary = demo.wait()
+    assert summary["errors"] == [] and summary["finished"] == N
+    assert summary["global_copies_agree"], "the relayed peer holds another global model"
