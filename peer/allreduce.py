@@ -59,6 +59,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -333,6 +334,9 @@ class Averager:
         self.max_pending_bytes = 4 * max_frame_bytes if max_pending_bytes is None else max_pending_bytes
         self.pending_ttl_s = pending_ttl_s
         self.read_timeout_s = read_timeout_s
+        self.reconnect: Callable[[str], Awaitable[bool]] | None = None
+        """Called with a peer ID when no stream to it could be opened; True if it opened
+        another way there (the node dials peers behind NAT through their relays)."""
         # the volunteer's bandwidth caps (shared with the node, which changes their rates)
         self.upload = upload or RateLimiter()
         self.download = download or RateLimiter()
@@ -449,7 +453,12 @@ class Averager:
 
     async def _send_frames(self, peer_id: str, frames: list[list[Any]]) -> int:
         """Open a stream to ``peer_id``, write each frame (sealed parts), close. -> bytes sent."""
-        _, _, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.handler_name)
+        try:
+            _, _, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.handler_name)
+        except Exception:  # no connection and no address of theirs we can dial
+            if self.reconnect is None or not await self.reconnect(peer_id):
+                raise
+            _, _, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.handler_name)
         sent = 0
         try:
             for parts in frames:

@@ -207,6 +207,7 @@ class Node:
         self._peers: dict[bytes, Heartbeat] = {}
         self._peers_future: Any = None
         self._reconnecting: Any = None
+        self._relay_routes: dict[str, list[str]] = {}  # peer ID -> its circuit addresses (peers behind NAT)
         self._recent: deque[Message] = deque(maxlen=300)
         self._loss_history: deque[Message] = deque(maxlen=400)
         self.upload_limiter, self.download_limiter = RateLimiter(), RateLimiter()
@@ -238,6 +239,7 @@ class Node:
             swarm = self.signed.manifest.swarm
             self.averager = Averager(self.net.p2p, self.identity, self.run_id, upload=self.upload_limiter,
                                      download=self.download_limiter)
+            self.averager.reconnect = self._reconnect_relayed
             self.net.call(self.averager.start(), timeout=30)
             self.matchmaker = Matchmaker(self.net.dht, self.identity, self.run_id, swarm)
             self.state_server = StateServer(self.net.p2p, self.identity, self.run_id,
@@ -399,7 +401,22 @@ class Node:
             if k not in self._peers:
                 self._remember(PeerJoined(at=now, peer_id=peer_id_from_public_key(k), device=hb.device))
             self._emit(self._peer_row(k, hb, now))
+        # peers nobody can dial, and the relays that reach them (not through ourselves)
+        me = f"/p2p/{self.identity.peer_id}/p2p-circuit"
+        self._relay_routes = {peer_id_from_public_key(k): [m for m in hb.maddrs if "/p2p-circuit" in m and me not in m]
+                              for k, hb in live.items() if not hb.reachable}
         self._peers = live
+
+    async def _reconnect_relayed(self, peer_id: str) -> bool:
+        """The averager could not open a stream to ``peer_id``: if it is behind a NAT, connect
+        to it through its relays. Only on such a failure: dialing circuits on every heartbeat
+        put libp2p dial backoffs on the relays and dropped group members."""
+        routes = self._relay_routes.get(peer_id)
+        if not routes:
+            return False
+        ok = await self.net.connect_relayed(peer_id, routes)
+        log.info("%s peer=%s through its relays", "connected to" if ok else "could not reach", peer_id)
+        return ok
 
     def _conditions_reason(self) -> str:
         sched = self.settings.schedule
