@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchutil import print_table, write_json
 
+from peer import netns
 from peer.demo import Demo
 from peer.identity_store import load_or_create_identity
 from protocol.butterfly import bytes_sent
@@ -67,24 +68,12 @@ from protocol.config import (
 )
 from protocol.manifest import RunManifest, SwarmConfig, sign_manifest
 
-BRIDGE = "ssbench-br"
-NS = "ssbench"  # namespace ssbenchI; its veth pair is ssbenchIh (host side) / ssbenchIp (peer side)
+NS = "ssbench"  # namespaces ssbenchI on bridge ssbench-br (peer.netns)
 SUBNET = "10.77.0"
 # pids (= process groups: the demo starts each node in its own session) of the nodes of the run
 # in progress, so a run that was killed outright can have its nodes killed by the next one
 PIDFILE = Path(tempfile.gettempdir()) / "swarmstream-bench-swarm.pids"
 TBF_LATENCY = "200ms"  # the longest a packet may queue behind the cap before tbf drops it
-
-
-class BenchError(Exception):
-    """A command of the network setup failed."""
-
-
-def sh(*cmd: str, check: bool = True) -> str:
-    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=30)
-    if check and out.returncode != 0:
-        raise BenchError(f"{' '.join(cmd)}: {out.stderr.strip() or f'exit {out.returncode}'}")
-    return out.stdout
 
 
 def rate_bits(rate: str) -> float:
@@ -119,40 +108,14 @@ def kill_strays() -> None:
 
 
 def teardown() -> None:
-    """Remove this bench's namespaces (killing whatever still runs in them), veths and bridge."""
-    for ns in re.findall(rf"^({NS}\d+)\b", sh("ip", "netns", "list", check=False), re.MULTILINE):
-        for pid in sh("ip", "netns", "pids", ns, check=False).split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        sh("ip", "netns", "del", ns, check=False)  # takes the veth pair with it
-    for veth in re.findall(rf"^\d+: ({NS}\d+h)[@:]", sh("ip", "-o", "link", "show", check=False), re.MULTILINE):
-        sh("ip", "link", "del", veth, check=False)  # a pair created but never moved into its namespace
-    sh("ip", "link", "del", BRIDGE, check=False)
+    netns.remove(NS)
 
 
 def setup(n: int, rate: str | None) -> None:
     """Bridge, n namespaces with a veth pair each, and the upload cap on each peer's end."""
-    teardown()
-    sh("ip", "link", "add", BRIDGE, "type", "bridge")
-    sh("ip", "addr", "add", f"{SUBNET}.254/24", "dev", BRIDGE)
-    sh("ip", "link", "set", BRIDGE, "up")
-    for i in range(n):
-        ns, host, peer = f"{NS}{i}", f"{NS}{i}h", f"{NS}{i}p"
-        sh("ip", "netns", "add", ns)
-        sh("ip", "link", "add", host, "type", "veth", "peer", "name", peer)
-        sh("ip", "link", "set", peer, "netns", ns)
-        sh("ip", "link", "set", host, "master", BRIDGE)
-        sh("ip", "link", "set", host, "up")
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", peer)
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", peer, "up")
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        if rate:
-            # burst: 10 ms at the rate (tbf needs at least rate/HZ to reach it), not less than 16 KiB
-            burst = max(16 << 10, int(rate_bits(rate) / 8 / 100))
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", peer, "root", "tbf", "rate", rate,
-               "burst", str(burst), "latency", TBF_LATENCY)
+    # burst: 10 ms at the rate (tbf needs at least rate/HZ to reach it), not less than 16 KiB
+    tbf = (rate, max(16 << 10, int(rate_bits(rate) / 8 / 100)), TBF_LATENCY) if rate else None
+    netns.create(NS, SUBNET, n, tbf=tbf)
 
 
 def netns_unavailable(rate: str | None) -> str:
@@ -164,7 +127,7 @@ def netns_unavailable(rate: str | None) -> str:
         return f"no {' or '.join(missing)} on PATH"
     try:
         setup(1, rate)  # one namespace with its cap, to find out
-    except (BenchError, OSError, subprocess.SubprocessError) as e:
+    except (netns.NetnsError, OSError, subprocess.SubprocessError) as e:
         return f"network setup failed: {e}"
     finally:
         teardown()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from peer import netns
 from peer.demo import Demo
 from peer.identity_store import load_or_create_identity
 from protocol.messages_control import FinishAndStop, GetStatus
@@ -35,17 +36,7 @@ ROOT = HERE.parents[1]
 N = 5
 PRIVATE = N - 1
 PROBE = N  # one more namespace, for a peer outside the swarm that reaches PRIVATE through a relay
-BRIDGE, NS, SUBNET, PORT = "ssrelay-br", "ssrelay", "10.78.0", 43100
-
-
-def sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
-
-
-def teardown() -> None:
-    for i in range(N + 1):
-        subprocess.run(["ip", "netns", "del", f"{NS}{i}"], capture_output=True, timeout=30)
-    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, timeout=30)
+NS, SUBNET, PORT = "ssrelay", "10.78.0", 43100
 
 
 @pytest.fixture
@@ -54,22 +45,9 @@ def namespaces():
         if os.environ.get("CI"):
             pytest.fail("this test needs root and iproute2 (ip netns) to build its network")
         pytest.skip("needs root and iproute2 (ip netns): CI runs it")
-    teardown()  # what a crashed run left
-    sh("ip", "link", "add", BRIDGE, "type", "bridge")
-    sh("ip", "addr", "add", f"{SUBNET}.254/24", "dev", BRIDGE)
-    sh("ip", "link", "set", BRIDGE, "up")
-    for i in range(N + 1):
-        ns, host, peer = f"{NS}{i}", f"{NS}{i}h", f"{NS}{i}p"
-        sh("ip", "netns", "add", ns)
-        sh("ip", "link", "add", host, "type", "veth", "peer", "name", peer)
-        sh("ip", "link", "set", peer, "netns", ns)
-        sh("ip", "link", "set", host, "master", BRIDGE)
-        sh("ip", "link", "set", host, "up")
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", peer)
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", peer, "up")
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+    netns.create(NS, SUBNET, N + 1)  # one more namespace, for the probe
     yield
-    teardown()
+    netns.remove(NS)
 
 
 def test_a_peer_nobody_can_dial_trains_through_relays(namespaces, demos):
