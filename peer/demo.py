@@ -13,12 +13,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from peer.identity_store import load_or_create_identity
 from peer.launch import child_cwd, child_env, module_command

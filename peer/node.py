@@ -38,13 +38,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
 from peer.allreduce import Averager
 from peer import conditions, paths
-from peer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from peer.checkpoint import CheckpointError, NonFiniteState, checkpoint_exists, load_checkpoint, save_checkpoint
 from peer.control import CommandError, ControlError, ControlServer
 from peer.credit import CreditLedger
 from peer.data import ShardSampler, heldout_batches, load_corpus
@@ -156,7 +157,7 @@ def lock_identity(identity_path: Path) -> int:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
         raise NodeAlreadyRunning(f"a swarmstream node already runs with the identity {identity_path} "
-                                 f"(pid {holder}); stop it with `swarmstream stop`, or pass another --identity")
+                                 f"(pid {holder}); stop it with `swarmstream stop`, or pass another --identity") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
@@ -484,7 +485,7 @@ class Node:
         sampler = ShardSampler(self._corpus.train, train.model.seq_len, train.inner.batch_size, train.data.seed,
                                self.identity.public_key)
         rounds = [0] * len(worker.outer)
-        if self._ckpt.exists():
+        if checkpoint_exists(self._ckpt):
             try:
                 rounds = load_checkpoint(self._ckpt, worker, sampler, run_id=self.run_id)
                 log.info("resumed from checkpoint path=%s step=%d rounds=%s", self._ckpt, worker.step, rounds)
@@ -510,6 +511,11 @@ class Node:
         self._progress = (0.0, "writing a checkpoint")
         try:
             save_checkpoint(self._ckpt, self.worker, self.sampler, run_id=self.run_id, rounds=self.stats.rounds)
+        except NonFiniteState as e:
+            # never over a good checkpoint: keep it, and take the swarm's state at the next
+            # chance (a repair compares our digest with what the other peers vouch for)
+            log.error("not saving a checkpoint: %s; the last good one is kept", e)
+            self._repair_due = True
         finally:
             self._progress = None
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time

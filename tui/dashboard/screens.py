@@ -314,7 +314,7 @@ class SettingsScreen(ViewScreen):
         """The form as Settings; raises ConfigError naming the first bad field."""
         base = self.ss.model.settings or Settings()
         changes = {}
-        for section, key, label, kind in FIELDS:
+        for section, key, _label, kind in FIELDS:
             if kind == "bool":
                 changes[f"{section}_{key}"] = self.query_one(f"#{section}-{key}", Switch).value
                 continue
