@@ -185,3 +185,32 @@ def test_a_second_ctrl_c_stops_the_node_at_once_in_one_line(tmp_path, running):
     assert host.proc.wait(60) == 130
     text = "\n".join(host.lines)
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+
+
+def test_a_corrupt_checkpoint_is_refused_in_one_line_and_kept(tmp_path):
+    """step = -5 in the only checkpoint: the node says so in one line (exit 2) and leaves the
+    folder as it was, for the volunteer to inspect or move aside."""
+    import torch
+
+    from peer.checkpoint import save_checkpoint
+    from peer.data import ShardSampler
+    from peer.worker import Worker
+    from protocol.manifest import open_manifest
+
+    home = tmp_path / "v"
+    home.mkdir()
+    assert swarmstream(home, "run", "new", "--name", "ckpt", *FAST, "--out", "r.swarmrun").returncode == 0
+    signed = open_manifest((home / "r.swarmrun").read_bytes())
+    train = signed.manifest.train
+    worker = Worker(train)
+    sampler = ShardSampler(torch.arange(10_000) % 256, train.model.seq_len, train.inner.batch_size, 0, b"k")
+    ckpt = home / "runs" / signed.run_id_text / "checkpoint"
+    save_checkpoint(ckpt, worker, sampler, run_id=signed.run_id, rounds=[0] * train.sync.fragments)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps(dict(meta, step=-5)))
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+
+    out = swarmstream(home, "host", "r.swarmrun", "--headless", "--data-dir", "runs", *LISTEN)
+    err = one_line_error(out)
+    assert "checkpoint" in err and "step" in err, err
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
