@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent
 _here = {str(ROOT), "", "."}
 _moved = [p for p in sys.path if p in _here or (p and Path(p).resolve() == ROOT)]
@@ -33,13 +35,13 @@ def _origins() -> dict[str, Path]:
 
 def pytest_configure(config) -> None:
     if os.environ.get("SWARMSTREAM_EXPECT_INSTALLED") == "1":
-        inside = [f"{n} ({p})" for n, p in _origins().items() if p.is_relative_to(ROOT)]
+        inside = [f"{n} ({p})" for n, p in _origins().items() if p.parent == ROOT]
         if inside:
-            raise SystemExit("SWARMSTREAM_EXPECT_INSTALLED=1, but these import from the checkout, not the installed "
+            raise pytest.UsageError("SWARMSTREAM_EXPECT_INSTALLED=1, but these import from the checkout, not the installed "
                              f"package: {', '.join(inside)}; install the wheel (pip install dist/*.whl)")
 
 
 def pytest_report_header(config) -> str:
     tui = _origins()["tui"]
-    where = "this checkout (editable or uninstalled)" if tui.is_relative_to(ROOT) else "the installed package"
+    where = "this checkout (editable or uninstalled)" if tui.parent == ROOT else "the installed package"
     return f"swarmstream under test: {tui.parent} ({where})"
