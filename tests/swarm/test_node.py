@@ -6,6 +6,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from peer.demo import Demo
 from swarm_util import Events
@@ -68,7 +69,14 @@ def test_four_peers_agree_bit_for_bit_every_round_and_track_the_simulation(tmp_p
 
     train = open_manifest((tmp_path / "demo.swarmrun").read_bytes()).manifest.train
     steps = max(s["steps"] for s in demo.summaries.values())
-    sim = run_simulation(SimulationConfig(train=train, workers=4, steps=steps, eval_batches=8))
+    # one torch thread, as each demo peer has: on a busy 2-core machine a second OpenMP thread
+    # spins against the others and made this in-process simulation take over five minutes
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sim = run_simulation(SimulationConfig(train=train, workers=4, steps=steps, eval_batches=8))
+    finally:
+        torch.set_num_threads(threads)
     swarm_loss = summary["heldout_loss"]
     print(f"held-out loss after {steps} steps: swarm {swarm_loss:.4f}, simulate {sim.heldout_loss:.4f}, "
           f"gap {swarm_loss - sim.heldout_loss:+.4f}")
