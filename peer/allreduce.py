@@ -114,6 +114,10 @@ class AllReduceOutcome:
     bytes_sent: int
     bytes_received: int
     elapsed_s: float
+    partial_parts: tuple[int, ...] = ()
+    """Parts we hold that their reducer averaged without some member (it dropped that one's
+    slice). The drop was not ours, but it says the members may not all hold the same result
+    (the dropped one kept its own value there): compare states after the round."""
 
 
 def chunk_elements(max_frame_bytes: int) -> int:
@@ -574,8 +578,11 @@ class Averager:
         for j in fallback:
             s, e = rnd.bounds[j]
             rnd.result[s:e] = vec[s:e]
+        # (our own part is never partial unless we dropped someone, which ``dropped`` says)
+        partial = tuple(j for j, contrib in sorted(rnd.contributors.items())
+                        if j not in rnd.dropped and len(contrib) < rnd.n)
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
-                                time.perf_counter() - started)
+                                time.perf_counter() - started, partial)
 
     def _check_call(self, group: Group, vector: torch.Tensor, weight: float) -> int:
         if group.run_id != self.run_id:

@@ -681,7 +681,9 @@ class Node:
         return evaluate(eval_model, held, worker.device)
 
     def _full_round(self, worker: Worker, last_ckpt: float) -> None:
-        self._repair_due, self._alone_this_round = self._alone_this_round, False
+        # a repair still due is kept until a peer at our rounds was compared with (at the first
+        # check after a round, the others' heartbeats may not show that round yet)
+        self._repair_due, self._alone_this_round = self._repair_due or self._alone_this_round, False
         self.ledger.record_round()
         every = self.cfg.eval_every_rounds
         if every and min(self.stats.rounds) % every == 0:
@@ -738,8 +740,8 @@ class Node:
             self._remember(FragmentSyncFailed(at=time.time(), fragment=fragment, round=round_, reason=reason[:256]))
         else:
             avg = outcome.average
-            if outcome.dropped:  # members that timed out on each other may land different averages:
-                self._alone_this_round = True  # compare digests after this round, as after a lone sync
+            if outcome.dropped or outcome.partial_parts:  # members that timed out on each other (we
+                self._alone_this_round = True  # or another) may land different averages: compare after
             self.stats.bytes_sent += outcome.bytes_sent
             self.stats.bytes_received += outcome.bytes_received
             self.stats.dropped_peers += len(outcome.dropped)
@@ -759,6 +761,7 @@ class Node:
         last_loss = self.stats.losses[-1][1] if self.stats.losses else float("nan")
         self.on_event({"event": "synced", "fragment": fragment, "round": round_, "step": worker.step,
                        "alone": outcome is None, "dropped": 0 if outcome is None else len(outcome.dropped),
+                       "group_size": 1 if result is None else result[1],
                        "digest": hashlib.sha256(worker.outer[fragment].global_flat.numpy().tobytes()).hexdigest()[:16],
                        "train_loss": round(last_loss, 4)})
         log.info("fragment synced fragment=%d round=%d alone=%s", fragment, round_, outcome is None)
@@ -810,8 +813,11 @@ class Node:
         same[self.identity.public_key] = self.state_digest
         # the most vouched-for state wins; a tie goes to the smallest digest, the same choice on
         # every peer, so two peers that each averaged alone converge on one of their states
+        if len(same) == 1:
+            return  # nobody's heartbeat shows our rounds yet: compare at a later check
         choice = choose_digest(same, min_vouchers=1)
         if choice is None or choice[0] == self.state_digest:
+            self._repair_due = False  # ours is the state to keep
             return
         ours = sum(1 for d in same.values() if d == self.state_digest)
         self._repair_due = False

@@ -1,9 +1,13 @@
-"""Fixtures of the swarm tests."""
+"""Fixtures of the swarm tests. Each ends what its test started (nodes, their libp2p daemons,
+temporary folders) in a finalizer, so a failed test leaves nothing running behind it."""
 
-import os
-import signal
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
+
+from swarm_util import identity_holder, kill_process_group
 
 
 @pytest.fixture
@@ -12,8 +16,26 @@ def demos():
     yield started
     for d in started:
         for p in d.procs.values():
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the node and its libp2p daemon
-            except ProcessLookupError:
-                pass
+            kill_process_group(p.pid)  # the node and its libp2p daemon (each node leads its own session)
             p.wait()
+
+
+@pytest.fixture
+def short_tmp():
+    """A fresh folder with a short path (unix socket paths are limited to ~100 bytes), removed
+    afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="ss-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def background_nodes():
+    """Identity files of nodes that a test had started detached (``swarmstream join``, the
+    dashboard's Runs screen): each such node writes its PID into the lock it holds next to its
+    key and leads a session of its own, so whatever still holds one of them is killed with
+    its p2pd."""
+    identities: list[Path] = []
+    yield identities
+    for key in identities:
+        kill_process_group(identity_holder(key))

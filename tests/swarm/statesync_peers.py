@@ -27,6 +27,9 @@ def donor(identity_path: str, out_q, cmd_q) -> None:
     """Serve ``expected_state()`` until told ``("stop",)``; ``("corrupt", on)`` flips a bit in
     every chunk served from now on (or stops doing so), ``("stall", on)`` leaves chunk requests
     unanswered; both are answered by ``("ok",)``."""
+    from swarm_util import own_process_group
+
+    own_process_group()
     asyncio.run(_donor(identity_path, out_q, cmd_q))
 
 

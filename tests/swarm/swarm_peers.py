@@ -6,9 +6,12 @@ import time
 
 from hivemind.utils import get_dht_time
 
+from swarm_util import own_process_group
+
 
 def creator(identity_path: str, manifest_bytes: bytes, run_id: bytes, out_q, stop_evt) -> None:
     """Publish a run's manifest, a heartbeat and an advertisement; serve until told to stop."""
+    own_process_group()
     from peer.identity_store import load_or_create_identity
     from peer.network import Network, NetworkConfig
     from peer.presence import Presence
@@ -32,6 +35,7 @@ def creator(identity_path: str, manifest_bytes: bytes, run_id: bytes, out_q, sto
 def forger(identity_path: str, initial_peers: list[str], run_id: bytes, victim_key: bytes, out_q, stop_evt) -> None:
     """Write hostile records: a manifest that is another run, a heartbeat in someone else's
     slot, a heartbeat whose bytes were altered, and junk under odd subkeys."""
+    own_process_group()
     from peer.identity_store import load_or_create_identity
     from peer.network import Network, NetworkConfig
     from peer.presence import manifest_key, peers_key

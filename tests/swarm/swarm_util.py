@@ -1,7 +1,12 @@
-"""Helpers for the whole-node tests: the JSON-line events of a demo's peers."""
+"""Helpers for the swarm tests: the JSON-line events of a demo's peers, and ending the
+processes a test started (with their libp2p daemons) even when the test failed."""
 
+import fcntl
+import os
 import queue
+import signal
 import time
+from pathlib import Path
 
 
 class Events:
@@ -34,3 +39,41 @@ class Events:
                 self.seen.append(self.q.get_nowait())
             except queue.Empty:
                 return self.seen
+
+
+def own_process_group() -> None:
+    """Call first thing in a spawned peer process: it leads a process group of its own, so
+    the p2pd it starts is in that group and ``kill_process_group`` ends both (a SIGKILLed
+    Python process leaves its daemon behind otherwise)."""
+    os.setpgid(0, 0)
+
+
+def kill_process_group(pid: int | None) -> None:
+    """SIGKILL the process group that ``pid`` leads (a node started in a session of its own,
+    or a peer after ``own_process_group``, and its p2pd); nothing if it is gone."""
+    if not pid:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def identity_holder(identity_path: Path) -> int | None:
+    """The PID of the node that holds ``identity_path`` (it keeps an exclusive lock on the file
+    next to the key, with its PID written in it); None if no process holds it."""
+    lock_path = Path(str(identity_path) + ".lock")
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: read who holds it
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            return int(pid) if pid.isdigit() else None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

@@ -21,6 +21,7 @@ from peer.allreduce import RESULT_GRACE
 from peer.simulation import allreduce as simulated_allreduce
 from protocol.butterfly import slice_bounds
 from protocol.codecs import get_codec
+from swarm_util import kill_process_group
 
 pytestmark = pytest.mark.swarm
 CTX = mp.get_context("spawn")
@@ -48,6 +49,9 @@ class _Collect(logging.Handler):
 
 def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd_q, out_q) -> None:
     """Start a network and an averager, then run commands until told to stop."""
+    from swarm_util import own_process_group
+
+    own_process_group()
     from peer.allreduce import Averager, Group
     from peer.identity_store import load_or_create_identity
     from peer.matchmaking import Matchmaker
@@ -177,6 +181,7 @@ def swarm(tmp_path):
         if p.proc.is_alive():
             p.proc.kill()
             p.proc.join(5)
+        kill_process_group(p.proc.pid)  # its p2pd, also if it was killed before it told us the daemon's PID
         _kill(p.daemon_pid)
 
 

@@ -4,12 +4,11 @@ the dashboard itself starts by joining the run from its Runs screen."""
 import asyncio
 import json
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from peer.demo import Demo
+from protocol.manifest import open_manifest
 from protocol.settings import parse_settings
 from tui.cli import main as cli_main
 from tui.dashboard.app import SwarmstreamApp
@@ -18,25 +17,45 @@ from tui.swarm_commands import runs_lister
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
-
-async def until(pilot, cond, what: str, timeout: float = 120.0):
-    for _ in range(int(timeout / 0.1)):
-        if cond():
-            return
-        await pilot.pause(0.1)
-    note = pilot.app.screen.query("#settings-error")
-    raise AssertionError(f"timed out waiting for {what}" + (f"; settings says {note.first().render()}" if note else ""))
+HELDOUT_ROUNDS = 3
+"""Full rounds between the two held-out losses the test compares (20 inner steps each)."""
 
 
-def test_join_from_the_runs_screen_then_pause_resume_settings_and_finish(demos, monkeypatch):
-    work = Path(tempfile.mkdtemp(prefix="ss-dn-", dir="/tmp"))
+async def until(pilot, cond, what: str, timeout: float = 120.0, log=None):
+    """Wait for ``cond()`` with a deadline, letting the app run; the failure says what the
+    dashboard last showed (its last refused command, the settings note, the node's log)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() >= deadline:
+            app = pilot.app
+            note = app.screen.query("#settings-error")
+            st = app.model.status
+            why = [f"timed out after {timeout:.0f} s waiting for {what}",
+                   f"screen={app.screen.id} node_up={app.model.node_up} node_error={app.model.node_error!r}",
+                   f"state={st.state if st else None} reason={st.pause_reason if st else None!r}",
+                   f"last refused command: {app.last_error!r}"]
+            if note:
+                why.append(f"settings says {note.first().render()}")
+            if log is not None and log.exists():
+                why.append("node log tail:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+            raise AssertionError("; ".join(why[:4]) + "".join("\n" + w for w in why[4:]))
+        await pilot.pause(0.1)  # lets the app's workers poll the node; the deadline bounds the wait
+
+
+def test_join_from_the_runs_screen_then_pause_resume_settings_and_finish(demos, background_nodes, short_tmp,
+                                                                        monkeypatch):
+    work = short_tmp
     monkeypatch.setenv("SWARMSTREAM_HOME", str(work / "home"))  # the joined node's logs go here
+    node_log = work / "home" / "data" / "logs" / "node.log"
     demo = Demo(2, rounds=None, workdir=work / "demo")
     demos.append(demo)
     demo.start()
     bootstrap = demo.address.split("@", 1)[1]
+    inner_steps = open_manifest((work / "demo" / "demo.swarmrun").read_bytes()).manifest.train.sync.inner_steps
     me = work / "me.sock"
     settings = work / "me.toml"
+    background_nodes.append(work / "me.key")  # the node the dashboard starts is ended even if we fail
 
     async def start_node(address: str) -> None:
         await asyncio.to_thread(start_background_node, address, control=me, identity=work / "me.key",
@@ -57,30 +76,42 @@ def test_join_from_the_runs_screen_then_pause_resume_settings_and_finish(demos, 
             assert "local demo" in [str(c) for c in table.get_row_at(0)]
             table.focus()
             await pilot.press("enter")
-            await until(pilot, lambda: app.model.node_up, "the joined node", timeout=180)
-            # first run: the node waits, paused, until the volunteer confirms
-            await until(pilot, lambda: app.screen.id == "first-run" and app.screen.query("Button"), "first run")
+            await until(pilot, lambda: app.model.node_up, "the joined node", timeout=180, log=node_log)
+            # first run: the node waits, paused, until the volunteer confirms; the dialog shows
+            # once the node reports that (its status says paused, for the confirmation)
+            await until(pilot, lambda: app.screen.id == "first-run" and app.screen.query("Button"), "first run",
+                        log=node_log)
             await pilot.click("#start")
-            await until(pilot, lambda: app.model.status.state in ("training", "averaging") and len(app.model.train) >= 4,
-                        "training with a few loss points", timeout=240)
-            losses = [v for _, v in app.model.train]
-            assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
-            assert parse_settings(settings.read_text()).client.confirmed
+            # the confirmation is saved by the node, then it resumes and trains
+            await until(pilot, lambda: parse_settings(settings.read_text()).client.confirmed,
+                        "the node to save the confirmation", timeout=30, log=node_log)
+            await until(pilot, lambda: app.model.status.state in ("training", "averaging"),
+                        "the node to leave the first-run pause", timeout=60, log=node_log)
+
+            # it learns: the held-out loss of the global model (the node measures it on the
+            # manifest's fixed held-out batches at every full round) falls over several rounds
+            await until(pilot, lambda: len(app.model.heldout) >= 1, "a held-out loss", timeout=240, log=node_log)
+            first_step, first = app.model.heldout[0]
+            await until(pilot, lambda: app.model.heldout[-1][0] >= first_step + HELDOUT_ROUNDS * inner_steps,
+                        f"a held-out loss {HELDOUT_ROUNDS} rounds later", timeout=300, log=node_log)
+            later_step, later = app.model.heldout[-1]
+            assert later < first, f"held-out loss {first:.4f} at step {first_step}, {later:.4f} at step {later_step}"
 
             # p pauses: the node reports paused and its step stands still
             await pilot.press("p")
-            await until(pilot, lambda: app.model.paused, "paused")
-            step = app.model.status.step
-            await pilot.pause(3.0)  # watching for inner steps that must not happen
+            await until(pilot, lambda: app.model.paused, "paused", log=node_log)
+            step, since = app.model.status.step, app.model.status.at
+            # watch the node's own status reports for 3 s of its clock: no inner step happens
+            await until(pilot, lambda: app.model.status.at >= since + 3.0, "3 s of status while paused")
             assert app.model.status.step == step and app.model.status.device == "released (paused)"
             await pilot.press("p")
-            await until(pilot, lambda: not app.model.paused and app.model.status.step > step, "resumed training")
+            await until(pilot, lambda: not app.model.paused and app.model.status.step > step, "resumed training",
+                        log=node_log)
 
             # `swarmstream pause` from another terminal pauses the node this dashboard shows
             assert await asyncio.to_thread(cli_main, ["pause", "--control", str(me)]) == 0
             await until(pilot, lambda: app.model.paused, "paused from the command line")
-            await pilot.pause(0.6)
-            assert "PAUSED" in str(app.screen.query_one("#state").render())
+            await until(pilot, lambda: "PAUSED" in str(app.screen.query_one("#state").render()), "PAUSED shown")
             await pilot.press("p")
             await until(pilot, lambda: not app.model.paused, "resumed")
 
@@ -95,7 +126,7 @@ def test_join_from_the_runs_screen_then_pause_resume_settings_and_finish(demos, 
             assert parse_settings(settings.read_text()).compute.gpu_memory_fraction == 1.0
             app.screen.query_one("#compute-gpu_memory_fraction").value = "1.0"
             app.screen.query_one("#network-max_upload_mbps").value = "80"
-            await pilot.pause(0.2)
+            await pilot.pause()  # the inputs' change messages are handled before the click
             await pilot.click("#save")
             await until(pilot, lambda: parse_settings(settings.read_text()).network.max_upload_mbps == 80.0,
                         "the saved cap", timeout=20)
@@ -106,8 +137,8 @@ def test_join_from_the_runs_screen_then_pause_resume_settings_and_finish(demos, 
             await pilot.press("f")
             await until(pilot, lambda: app.screen.id == "confirm-finish" and app.screen.query("Button"), "confirm")
             await pilot.click("#finish")
-            await until(pilot, lambda: not app.model.node_up, "the node to stop", timeout=180)
-        log = (work / "home" / "data" / "logs" / "node.log").read_text()
+            await until(pilot, lambda: not app.model.node_up, "the node to stop", timeout=180, log=node_log)
+        log = node_log.read_text()
         summary = json.loads([line for line in log.splitlines() if '"event": "summary"' in line][-1])
         assert summary["syncs"] - summary["syncs_alone"] > contributed - 1  # it averaged to the end
         assert not me.exists()

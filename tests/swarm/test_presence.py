@@ -5,6 +5,7 @@ import time
 
 import pytest
 import swarm_peers
+from swarm_util import kill_process_group
 
 from peer.identity_store import load_or_create_identity
 from peer.network import Network, NetworkConfig, NetworkError
@@ -28,6 +29,7 @@ def procs():
         if p.is_alive():
             p.kill()
             p.join(5)
+        kill_process_group(p.pid)  # its p2pd (each peer leads its own process group)
 
 
 def start(procs, target, *args):

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import statesync_peers
+from swarm_util import kill_process_group
 import torch
 from hivemind.p2p import P2P
 
@@ -54,6 +55,7 @@ def donors(tmp_path_factory):
             if d.proc.is_alive():
                 d.proc.kill()
                 d.proc.join(5)
+            kill_process_group(d.proc.pid)  # its p2pd (each donor leads its own process group)
 
 
 def joiner(tmp_path, donors, body):
