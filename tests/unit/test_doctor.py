@@ -4,7 +4,7 @@ for the reachability check), with the volunteer's files under a temporary SWARMS
 import json
 
 from tui.cli import main
-from tui.doctor import classify
+from tui.doctor import classify, torch_checks
 
 
 def run_doctor(capsys, *flags):
@@ -43,3 +43,35 @@ def test_reachability_is_read_from_the_visible_addresses():
     assert classify(["/ip4/10.0.0.2/tcp/1", "/ip4/203.0.113.7/tcp/4001"])[0] == "behind NAT"  # TEST-NET
     assert classify(["/ip4/8.8.8.8/tcp/4001/p2p/x"]) == ("direct", "8.8.8.8")
     assert classify(["/ip6/2001:4860::1/tcp/1"]) == ("direct", "2001:4860::1")
+
+
+CUDA_BUILD = {"version": "2.14.1+cu130", "cuda": "13.0", "devices": [], "cuda_bytes": 5_400_000_000}
+CPU_BUILD = {"version": "2.13.0+cpu", "cuda": None, "devices": []}
+
+
+def test_a_cuda_build_without_a_gpu_is_a_warning_with_the_size_and_the_way_back():
+    """The PyPI build on a machine without NVIDIA's driver: gigabytes of CUDA libraries for
+    nothing. The doctor says so (warn, not ok), with the size and how to get the CPU build."""
+    checks = {c.name: c for c in torch_checks(CUDA_BUILD, nvidia_driver=False)}
+    torch = checks["torch"]
+    assert torch.level == "warn"
+    assert "2.14.1+cu130 (CUDA 13.0 build)" in torch.detail and "5.4 GB" in torch.detail
+    assert "--uninstall" in torch.hint and "--torch cpu" in torch.hint and "INSTALL.md" in torch.hint
+    assert checks["accelerator"].level == "warn"
+
+
+def test_torch_lines_for_the_other_machines():
+    # the CPU build without a GPU: fine, training runs on the CPU
+    torch, accel = torch_checks(CPU_BUILD, nvidia_driver=False)
+    assert (torch.level, torch.detail) == ("ok", "2.13.0+cpu (CPU build)")
+    assert accel.level == "warn" and "CPU" in accel.hint
+    # a CPU build beside an NVIDIA driver: reinstall with CUDA
+    _, accel = torch_checks(CPU_BUILD, nvidia_driver=True)
+    assert "--torch cuda" in accel.hint
+    # a CUDA build, a driver, but no GPU torch can use: most likely a driver too old for it
+    torch, accel = torch_checks({**CUDA_BUILD, "cuda_bytes": 0}, nvidia_driver=True)
+    assert torch.level == "ok" and accel.level == "warn" and "update the driver" in accel.hint
+    # a CUDA build that sees its GPU
+    gpu = {**CUDA_BUILD, "devices": ["cuda:0 NVIDIA H100 80 GiB"]}
+    assert [(c.name, c.level) for c in torch_checks(gpu, nvidia_driver=True)] == [("torch", "ok"), ("accelerator", "ok")]
+    assert [c.level for c in torch_checks({**CPU_BUILD, "devices": ["mps (Apple GPU)"]}, False)] == ["ok", "ok"]
