@@ -36,10 +36,10 @@ if torch.cuda.is_available():
 elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
     info["devices"].append("mps (Apple GPU)")
 if torch.version.cuda and not info["devices"]:  # what a CUDA build without a GPU costs on disk
-    import importlib.metadata as md, os
+    import importlib.metadata as md, os, re
     total = 0
     for d in md.distributions():
-        name = (d.metadata["Name"] or "").lower()
+        name = re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower()
         if name in ("torch", "triton") or name.startswith(("nvidia-", "cuda-")):
             for f in d.files or ():
                 try:
@@ -108,13 +108,15 @@ def torch_checks(info: dict, nvidia_driver: bool) -> list[Check]:
     if info["devices"]:
         return [Check("torch", "ok", torch_line), Check("accelerator", "ok", "; ".join(info["devices"]))]
     if info["cuda"] and not nvidia_driver:
-        size = info.get("cuda_bytes", 0) / 1e9
-        torch_check = Check("torch", "warn",
-                      f"{torch_line} on a machine without an NVIDIA GPU: {size:.1f} GB of torch and CUDA "
-                      "libraries, where the CPU build is about 0.2 GB to download and under 1 GB installed",
-                      "reinstall with the CPU build: bash installers/install.sh --uninstall, then "
-                      "bash installers/install.sh --torch cpu (docs/INSTALL.md: without access to "
-                      "download.pytorch.org, --wheels or --torch-index)")
+        size = info.get("cuda_bytes", 0)
+        size_text = f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.0f} MB"
+        torch_check = Check(
+            "torch", "warn",
+            f"{torch_line} on a machine without an NVIDIA GPU: {size_text} of torch and CUDA libraries, "
+            "where the CPU build is about 0.2 GB to download and under 1 GB installed",
+            "reinstall with the CPU build: bash installers/install.sh --uninstall, then "
+            "bash installers/install.sh --torch cpu (docs/INSTALL.md: without access to "
+            "download.pytorch.org, --wheels or --torch-index)")
         return [torch_check, Check("accelerator", "warn", "no GPU usable by torch", "training runs on the CPU (slow but useful)")]
     if info["cuda"]:
         hint = (f"an NVIDIA driver is installed but torch (CUDA {info['cuda']}) sees no GPU: the driver may be "

@@ -1,8 +1,11 @@
 """``swarmstream doctor`` on this machine: real probes (torch, the bundled p2pd, a daemon started
-for the reachability check), with the volunteer's files under a temporary SWARMSTREAM_HOME."""
+for the reachability check), with the volunteer's files under a temporary SWARMSTREAM_HOME; and
+the torch lines of machines this is not (a CUDA build without a GPU, a GPU, Apple's), from
+what a probe would find."""
 
 import json
 
+from tui import doctor
 from tui.cli import main
 from tui.doctor import classify, torch_checks
 
@@ -75,3 +78,29 @@ def test_torch_lines_for_the_other_machines():
     gpu = {**CUDA_BUILD, "devices": ["cuda:0 NVIDIA H100 80 GiB"]}
     assert [(c.name, c.level) for c in torch_checks(gpu, nvidia_driver=True)] == [("torch", "ok"), ("accelerator", "ok")]
     assert [c.level for c in torch_checks({**CPU_BUILD, "devices": ["mps (Apple GPU)"]}, False)] == ["ok", "ok"]
+
+
+def test_the_torch_probe_finds_a_cuda_build_and_its_libraries(tmp_path, monkeypatch):
+    """check_torch end to end, with a stand-in for a CUDA build first on the probe's path:
+    torch.version.cuda set, no GPU, and an nvidia-* distribution of 30 MB beside it."""
+    torch = tmp_path / "torch"
+    torch.mkdir()
+    (torch / "__init__.py").write_text("__version__ = '2.14.1'\nfrom . import backends, cuda, version\n")
+    (torch / "version.py").write_text("cuda = '13.0'\n")
+    (torch / "cuda.py").write_text("def is_available():\n    return False\n")
+    (torch / "backends.py").write_text("")
+    lib = tmp_path / "nvidia" / "cublas" / "libcublas.so"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"\0" * 30_000_000)
+    info = tmp_path / "nvidia_stand_in_cublas-13.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia_stand_in_cublas\nVersion: 13.0\n")
+    (info / "RECORD").write_text("nvidia/cublas/libcublas.so,,\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(doctor, "has_nvidia_driver", lambda: False)
+    torch_check, accelerator = doctor.check_torch()
+    assert torch_check.level == "warn" and torch_check.detail.startswith("2.14.1 (CUDA 13.0 build) on a machine without")
+    # 30 MB of the stand-in, plus whatever real torch the environment has beside it
+    size = torch_check.detail.split("GPU: ")[1].split(" of torch")[0]
+    assert size.endswith(" GB") or int(size.removesuffix(" MB")) >= 30
+    assert accelerator.level == "warn"
