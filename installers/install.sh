@@ -462,10 +462,10 @@ EOF
 $line
 EOF
     if [ -z "$cuda" ]; then
-        say "the environment has torch $version, the CPU build: $torch_size (the whole environment: $env_size)"
+        say "the environment has torch $version, the CPU build: $torch_size (the environment so far: $env_size)"
         return 0
     fi
-    say "the environment has torch $version, a CUDA $cuda build: $torch_size with its CUDA libraries (the whole environment: $env_size)"
+    say "the environment has torch $version, a CUDA $cuda build: $torch_size with its CUDA libraries (the environment so far: $env_size)"
     if [ "$OS" = Linux ] && ! has_nvidia; then
         local cpu_spec="torch==${version%%+*}+cpu"
         warn "no NVIDIA driver answers here, so those CUDA libraries are of no use on this machine"
