@@ -18,7 +18,13 @@ CREATED="installed-files.txt"        # in the prefix: what we created outside it
 LAUNCHER_TAG="# swarmstream launcher, written by install.sh"
 SERVICE_NAME="swarmstream.service"
 AGENT_LABEL="org.swarmstream.node"
-CPU_INDEX="https://download.pytorch.org/whl/cpu"  # Linux CPU-only torch builds (PyPI's bundle CUDA)
+# Linux CPU-only torch builds (PyPI's Linux builds bundle CUDA: several GB). The override is
+# for tests and for a mirror of this index.
+CPU_INDEX="${SWARMSTREAM_INSTALL_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+# Seconds one look at a package index may take before we call it unreachable. pip itself would
+# wait PIP_DEFAULT_TIMEOUT (15 s, often set higher) per try, 5 retries per page, and for an extra
+# index it asks about every dependency too: a hundred slow failures before it gives up.
+PROBE_TIMEOUT=8
 
 usage() {
     cat <<'EOF'
@@ -32,7 +38,8 @@ Install or upgrade:
                       answers, mps on Apple silicon, cpu otherwise; keep: leave torch as is)
   --torch-spec SPEC   the torch requirement (default "torch>=2.3"), e.g. "torch==2.5.1"
   --torch-index URL   the only package index torch comes from (default: PyPI; for cpu on
-                      Linux also the PyTorch CPU index: a 200 MB download instead of GBs)
+                      Linux also the PyTorch CPU index, when it answers: a 200 MB download
+                      instead of GBs); checked once before use, an error if it does not answer
   --wheels DIR        a folder of wheels to install from first (offline machines: with --offline)
   --offline           use only --wheels DIR, never a package index
   --from SRC          what to install: a source folder, a wheel, or a pip requirement
@@ -50,7 +57,8 @@ Remove:
   -h, --help          this help
 
 Environment: SWARMSTREAM_HOME moves the data and config dirs (as for swarmstream itself);
-SWARMSTREAM_TORCH sets the default of --torch; SWARMSTREAM_PYTHON the default of --python.
+SWARMSTREAM_TORCH sets the default of --torch; SWARMSTREAM_PYTHON the default of --python;
+SWARMSTREAM_INSTALL_CPU_INDEX replaces the PyTorch CPU index (a mirror of it).
 EOF
 }
 
@@ -363,6 +371,113 @@ pip_in_venv() {
     "$VENV/bin/python" -m pip install "${args[@]}" "$@"
 }
 
+probe_index() {  # probe_index URL: status 0 if the index's torch page answers; else 1 and why, one line
+    # One GET of URL/torch/ (PEP 503), no retries, the whole look (DNS included) bounded by
+    # PROBE_TIMEOUT. Trusts what pip trusts: the system's CAs, pip's own bundle and PIP_CERT.
+    "$VENV/bin/python" - "$1" "$PROBE_TIMEOUT" <<'EOF'
+import os, ssl, sys, threading, urllib.error, urllib.parse, urllib.request
+
+url, timeout = sys.argv[1].rstrip("/") + "/torch/", float(sys.argv[2])
+why = ["no answer within %g s" % timeout]
+
+
+def context():
+    ctx = ssl.create_default_context()
+    cafiles = [os.environ.get("PIP_CERT", "")]
+    try:
+        from pip._vendor import certifi
+        cafiles.append(certifi.where())
+    except ImportError:
+        pass
+    for cafile in cafiles:
+        if cafile and os.path.isfile(cafile):
+            ctx.load_verify_locations(cafile)
+    return ctx
+
+
+def look():
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme == "file":
+            path = urllib.request.url2pathname(parts.path)
+            why[0] = "" if os.path.isdir(path) else "no folder " + path
+            return
+        request = urllib.request.Request(url, headers={"User-Agent": "swarmstream-install"})
+        with urllib.request.urlopen(request, timeout=timeout, context=context()) as answer:
+            why[0] = "" if answer.status == 200 else "HTTP %d from %s" % (answer.status, url)
+    except urllib.error.HTTPError as e:
+        why[0] = "HTTP %d from %s" % (e.code, url)
+    except urllib.error.URLError as e:
+        why[0] = str(e.reason)
+    except Exception as e:  # a timeout, a reset connection, a bad URL: all mean "not usable"
+        why[0] = str(e) or type(e).__name__
+
+
+worker = threading.Thread(target=look, daemon=True)
+worker.start()
+worker.join(timeout)  # getaddrinfo ignores socket timeouts: the thread bounds it
+reason = "no answer within %g s" % timeout if worker.is_alive() else " ".join(why[0].split())
+if reason:
+    print(reason)
+sys.stdout.flush()
+os._exit(1 if reason else 0)  # not waiting for a thread stuck in DNS
+EOF
+}
+
+report_torch() {  # which torch the environment now has, its build and size; advice for a CUDA build without a GPU
+    local line version cuda torch_size env_size pyver
+    line="$("$VENV/bin/python" - 2>/dev/null <<'EOF'
+import importlib.metadata as md, os, re, sys
+import torch
+
+def size(dist):
+    total = 0
+    for f in dist.files or ():
+        try:
+            total += os.path.getsize(dist.locate_file(f))
+        except OSError:
+            pass
+    return total
+
+def cuda_part(name):  # torch and the CUDA libraries that its Linux CUDA builds pull in
+    return name == "torch" or name == "triton" or name.startswith(("nvidia-", "cuda-"))
+
+torch_bytes = sum(size(d) for d in md.distributions()
+                  if cuda_part(re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower()))  # PEP 503 names
+env_bytes = 0
+for top, _, names in os.walk(sys.prefix):
+    for n in names:
+        try:
+            env_bytes += os.lstat(os.path.join(top, n)).st_size
+        except OSError:
+            pass
+def text(n):
+    return "%.1f GB" % (n / 1e9) if n >= 1e9 else "%d MB" % round(n / 1e6)
+
+print("|".join([torch.__version__, torch.version.cuda or "", text(torch_bytes), text(env_bytes),
+                "%d.%d" % sys.version_info[:2]]))
+EOF
+)" || { warn "torch is installed but does not import; swarmstream doctor says why once swarmstream is in"; return 0; }
+    IFS='|' read -r version cuda torch_size env_size pyver <<EOF
+$line
+EOF
+    if [ -z "$cuda" ]; then
+        say "the environment has torch $version, the CPU build: $torch_size (the environment so far: $env_size)"
+        return 0
+    fi
+    say "the environment has torch $version, a CUDA $cuda build: $torch_size with its CUDA libraries (the environment so far: $env_size)"
+    if [ "$OS" = Linux ] && ! has_nvidia; then
+        local cpu_spec="torch==${version%%+*}+cpu"
+        warn "no NVIDIA driver answers here, so those CUDA libraries are of no use on this machine"
+        say "to replace it with the CPU build (about 0.2 GB to download, under 1 GB installed):"
+        printf '    bash install.sh --uninstall     # keeps your key, checkpoints and settings\n'
+        printf '    bash install.sh --torch-spec %s --wheels DIR\n' "$(shquote "$cpu_spec")"
+        printf '        # DIR: a folder with the Python %s wheel of it from %s/torch/\n' "$pyver" "$CPU_INDEX"
+        printf '        # or, instead of --wheels DIR: --torch-index URL of a mirror of that index\n'
+        say "see docs/INSTALL.md (machines without a GPU)"
+    fi
+}
+
 default_source() {
     # a checkout: installers/ beside the project's pyproject.toml
     if [ -f "$SCRIPT_DIR/../pyproject.toml" ] && grep -q '^name = "swarmstream"' "$SCRIPT_DIR/../pyproject.toml"; then
@@ -543,22 +658,35 @@ install() {
         say "leaving torch as it is (--torch keep)"
     else
         # installed only when the environment has no torch that satisfies the spec: an upgrade
-        # keeps the multi-GB torch you have
+        # keeps the multi-GB torch you have. An index is looked at once, briefly, before pip
+        # uses it: pip's retries against one that does not answer take minutes.
+        local why
         if [ -n "$TORCH_INDEX" ]; then
+            if [ "$OFFLINE" = 0 ]; then
+                why="$(probe_index "$TORCH_INDEX")" \
+                    || die "--torch-index $TORCH_INDEX cannot be used ($why); check the address and the network, or leave --torch-index out to use PyPI (see docs/INSTALL.md)"
+            fi
             say "torch build: $TORCH, $TORCH_SPEC from ${WHEELS:+$WHEELS, then }$TORCH_INDEX"
             pip_in_venv --quiet --index-url "$TORCH_INDEX" "$TORCH_SPEC" \
                 || die "could not install $TORCH_SPEC from $TORCH_INDEX (offline? get the wheel elsewhere, then --wheels DIR --offline)"
         elif [ "$TORCH" = cpu ] && [ "$OS" = Linux ] && [ -z "$WHEELS" ]; then
-            # beside the default index, not instead of it: torch's own dependencies come from
-            # there, and pip prefers 2.x.y+cpu over 2.x.y of the same version
-            say "torch build: cpu, $TORCH_SPEC, the CPU-only build from $CPU_INDEX"
-            pip_in_venv --quiet --extra-index-url "$CPU_INDEX" "$TORCH_SPEC" \
-                || die "could not install $TORCH_SPEC (offline? get the wheel elsewhere, then --wheels DIR --offline)"
+            if why="$(probe_index "$CPU_INDEX")"; then
+                # beside the default index, not instead of it: torch's own dependencies come
+                # from there, and pip prefers 2.x.y+cpu over 2.x.y of the same version
+                say "torch build: cpu, $TORCH_SPEC, the CPU-only build from $CPU_INDEX"
+                pip_in_venv --quiet --extra-index-url "$CPU_INDEX" "$TORCH_SPEC" \
+                    || die "could not install $TORCH_SPEC (offline? get the wheel elsewhere, then --wheels DIR --offline)"
+            else
+                warn "the PyTorch CPU index $CPU_INDEX cannot be used ($why); installing $TORCH_SPEC from the default package index instead, on Linux usually a CUDA build of several GB"
+                pip_in_venv --quiet "$TORCH_SPEC" \
+                    || die "could not install $TORCH_SPEC (offline? get the wheel elsewhere, then --wheels DIR --offline)"
+            fi
         else
             say "torch build: $TORCH, $TORCH_SPEC from ${WHEELS:+$WHEELS, then }the default package index"
             pip_in_venv --quiet "$TORCH_SPEC" \
                 || die "could not install $TORCH_SPEC (offline? get the wheel elsewhere, then --wheels DIR --offline)"
         fi
+        report_torch
     fi
 
     step "Installing swarmstream"

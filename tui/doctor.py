@@ -35,6 +35,18 @@ if torch.cuda.is_available():
         info["devices"].append(f"cuda:{i} {p.name} {p.total_memory / 2**30:.0f} GiB")
 elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
     info["devices"].append("mps (Apple GPU)")
+if torch.version.cuda and not info["devices"]:  # what a CUDA build without a GPU costs on disk
+    import importlib.metadata as md, os, re
+    total = 0
+    for d in md.distributions():
+        name = re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower()
+        if name in ("torch", "triton") or name.startswith(("nvidia-", "cuda-")):
+            for f in d.files or ():
+                try:
+                    total += os.path.getsize(d.locate_file(f))
+                except OSError:
+                    pass
+    info["cuda_bytes"] = total
 print(json.dumps(info))
 """
 
@@ -82,20 +94,45 @@ def check_python() -> Check:
     return Check("python", "ok", text)
 
 
+def has_nvidia_driver() -> bool:
+    """nvidia-smi on PATH, or NVIDIA's driver inside WSL2 (the places install.sh looks)."""
+    return bool(shutil.which("nvidia-smi")) or os.access("/usr/lib/wsl/lib/nvidia-smi", os.X_OK)
+
+
+def torch_checks(info: dict, nvidia_driver: bool) -> list[Check]:
+    """The torch and accelerator lines from what the torch probe found (``info``: version,
+    cuda, devices, and cuda_bytes where a CUDA build sees no GPU) and whether an NVIDIA
+    driver is installed. Pure, so each machine's case is testable on any machine."""
+    build = f"CUDA {info['cuda']} build" if info["cuda"] else "CPU build"
+    torch_line = f"{info['version']} ({build})"
+    if info["devices"]:
+        return [Check("torch", "ok", torch_line), Check("accelerator", "ok", "; ".join(info["devices"]))]
+    if info["cuda"] and not nvidia_driver:
+        size = info.get("cuda_bytes", 0)
+        size_text = f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.0f} MB"
+        torch_check = Check(
+            "torch", "warn",
+            f"{torch_line} on a machine without an NVIDIA GPU: {size_text} of torch and CUDA libraries, "
+            "where the CPU build is about 0.2 GB to download and under 1 GB installed",
+            "reinstall with the CPU build: bash installers/install.sh --uninstall, then "
+            "bash installers/install.sh --torch cpu (docs/INSTALL.md: without access to "
+            "download.pytorch.org, --wheels or --torch-index)")
+        return [torch_check, Check("accelerator", "warn", "no GPU usable by torch", "training runs on the CPU (slow but useful)")]
+    if info["cuda"]:
+        hint = (f"an NVIDIA driver is installed but torch (CUDA {info['cuda']}) sees no GPU: the driver may be "
+                "older than that CUDA needs (nvidia-smi shows the newest CUDA it supports); update the driver")
+    elif nvidia_driver:
+        hint = "an NVIDIA driver is present but this torch is a CPU build: reinstall with --torch cuda"
+    else:
+        hint = "training runs on the CPU (slow but useful)"
+    return [Check("torch", "ok", torch_line), Check("accelerator", "warn", "no GPU usable by torch", hint)]
+
+
 def check_torch() -> list[Check]:
     ok, out = _probe(_TORCH_PROBE, 120)
     if not ok:
         return [Check("torch", "FAIL", out, "reinstall: installers/install.sh (or pip install 'torch>=2.3')")]
-    info = json.loads(out)
-    build = f"CUDA {info['cuda']}" if info["cuda"] else "CPU build"
-    checks = [Check("torch", "ok", f"{info['version']} ({build})")]
-    if info["devices"]:
-        checks.append(Check("accelerator", "ok", "; ".join(info["devices"])))
-    else:
-        hint = ("an NVIDIA driver is present but this torch is a CPU build: reinstall with --torch cuda"
-                if shutil.which("nvidia-smi") and not info["cuda"] else "training runs on the CPU (slow but useful)")
-        checks.append(Check("accelerator", "warn", "no GPU usable by torch", hint))
-    return checks
+    return torch_checks(json.loads(out), has_nvidia_driver())
 
 
 def check_daemon() -> Check:
