@@ -125,6 +125,7 @@ def unavailable_index():
         server.server_close()
 
 
+@pytest.mark.timeout(900)  # two installs, a demo, an upgrade and two removals: minutes on a busy 2-core box
 def test_install_run_upgrade_with_service_uninstall_and_purge(home, tmp_path):
     before = files_under(home)
     wheels = torch_wheel_dir()
