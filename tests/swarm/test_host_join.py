@@ -178,6 +178,29 @@ def test_a_second_ctrl_c_stops_the_node_at_once_in_one_line(tmp_path, running):
     home.mkdir()
     assert swarmstream(home, "run", "new", "--name", "ctrl-c", *FAST, "--out", "r.swarmrun").returncode == 0
     host = running(home, "host", "r.swarmrun", "--headless", *LISTEN)
+    # no status request fails while the node starts: from the moment its control socket opens
+    # (before its network is up) until it trains
+    from peer.paths import control_path
+    from protocol.messages_control import GetStatus
+    from tui.control_client import ControlError, call
+
+    os.environ["SWARMSTREAM_HOME"], saved = str(home), os.environ.get("SWARMSTREAM_HOME")
+    try:
+        sock = control_path()
+    finally:
+        os.environ.pop("SWARMSTREAM_HOME") if saved is None else os.environ.__setitem__("SWARMSTREAM_HOME", saved)
+    answered: list[str] = []
+    deadline = time.monotonic() + 180
+    while not answered or answered[-1] not in ("training", "averaging"):
+        assert time.monotonic() < deadline and host.proc.poll() is None, f"states seen {answered[-5:]}"
+        if not sock.exists():
+            continue
+        try:
+            answered.append(call(sock, GetStatus).state)
+        except ControlError as e:
+            # only not being able to connect yet is fine (the socket file is there a moment early)
+            assert str(e).startswith("cannot reach the node"), f"a status request failed: {e}"
+    assert answered[0] in ("joining", "syncing", "training", "averaging")
     host.wait_for(r"fragment \d round", timeout=180)  # training
     os.killpg(host.proc.pid, signal.SIGINT)  # as a terminal's Ctrl+C: to the command and its node
     host.wait_for(r"stopping after this step", timeout=60)  # the node heard the first
@@ -185,6 +208,14 @@ def test_a_second_ctrl_c_stops_the_node_at_once_in_one_line(tmp_path, running):
     assert host.proc.wait(60) == 130
     text = "\n".join(host.lines)
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+
+
+def test_the_installed_headless_demo_trains_and_agrees(tmp_path):
+    out = swarmstream(tmp_path, "demo", "--peers", "2", "--rounds", "1", "--headless", "--workdir", "demo",
+                      timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["finished"] == 2 and summary["errors"] == [] and summary["rounds"] >= 1
 
 
 def test_a_corrupt_checkpoint_is_refused_in_one_line_and_kept(tmp_path):

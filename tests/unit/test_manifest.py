@@ -194,6 +194,7 @@ def test_run_new_writes_a_signed_manifest_and_prints_its_id(tmp_path, capsys):
     (["-H", "8", "-P", "4", "--tau", "2"], "overlap"),
     (["--bootstrap", "/ip4/1.2.3.4/tcp/1"], "bootstrap multiaddr"),
     (["--name", ""], "name"),
+    (["--mode", "ddp"], "every inner step"),  # a swarm run is never data-parallel
 ])
 def test_run_new_refuses_bad_values_in_one_line(tmp_path, capsys, flags, reason):
     out = tmp_path / "run.swarmrun"
