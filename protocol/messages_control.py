@@ -158,6 +158,11 @@ class StatusReported(Message):
     rounds_joined: U64
     steps_dropped: U64
     """Inner steps trained and then dropped because the run moved on (we were told so)."""
+    # Fields added later have defaults, so a dashboard reads a node that predates them
+    # (protocol.messages: a sender may leave off the defaulted tail). New fields go below.
+    total_steps: U64 = 0
+    """The run's step target (its manifest's ``train.inner.total_steps``): with ``step`` and
+    ``inner_step_s`` it gives the progress and an ETA. 0: unknown (no run yet, or an older node)."""
 
 
 @message(Tag.STATE_CHANGED)
