@@ -21,6 +21,7 @@ from protocol.messages_control import (
 )
 from protocol.settings import ClientSettings, Settings, parse_settings, render_settings
 from tests.fake_node import PEER_ID, FakeNode
+from tui.cli import main as cli_main
 from tui.dashboard.app import SwarmstreamApp
 from tui.dashboard.screens import FIELDS
 
@@ -362,3 +363,29 @@ def test_the_settings_form_has_every_setting():
     want = {(section, key) for section, sub in Settings.__dataclass_fields__.items()
             for key in sub.default_factory.__dataclass_fields__}
     assert {(section, key) for section, key, _, _ in FIELDS} == want
+
+
+def test_swarmstream_status_shows_the_progress_of_a_node_over_its_socket(sock, capsys):
+    with FakeNode(sock, step=500, total_steps=2000, inner_step_s=0.1):
+        assert cli_main(["status", "--control", str(sock)]) == 0
+    assert "target    step 500 of 2,000 (25%) · ETA 2 min 30 s" in capsys.readouterr().out
+
+
+def test_the_dashboard_shows_progress_and_eta_and_follows_the_node(sock):
+    async def go():
+        with FakeNode(sock, step=120, total_steps=2000, inner_step_s=0.25) as node:
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                bar = app.screen.query_one("#target-bar")
+                row = app.screen.query_one("#target")
+                await until(pilot, lambda: row.display and bar.progress == 0.06, "the progress bar")
+                assert text_of(app, "#target-label") == "target  step 120 of 2,000 (6%) · ETA 7 min 50 s"
+                node.fields.update(step=1000, inner_step_s=0.5)
+                await until(pilot, lambda: bar.progress == 0.5, "the bar to move")
+                assert text_of(app, "#target-label") == "target  step 1,000 of 2,000 (50%) · ETA 8 min 20 s"
+                node.fields.update(state="paused", pause_reason="paused by you")
+                await until(pilot, lambda: "once resumed" in text_of(app, "#target-label"), "the paused ETA")
+                node.fields.update(state="training", pause_reason="", total_steps=0)  # an older node
+                await until(pilot, lambda: not row.display, "the row to hide")
+
+    run(go())
