@@ -389,3 +389,51 @@ def test_the_dashboard_shows_progress_and_eta_and_follows_the_node(sock):
                 await until(pilot, lambda: not row.display, "the row to hide")
 
     run(go())
+
+
+def test_the_demo_dashboard_lists_runs_through_the_demos_own_peers(sock, monkeypatch):
+    """`swarmstream demo` knows its peers' multiaddrs: its Runs screen lists the demo's run
+    through them, while a plain dashboard needs $SWARMSTREAM_BOOTSTRAP. `swarmstream runs` is
+    faked here (tests/swarm/test_dashboard_node.py lists a real demo's run)."""
+    import json
+    from types import SimpleNamespace
+
+    from protocol.manifest import format_run_id, parse_run_address
+    from tui.swarm_commands import dashboard_app, demo_dashboard
+
+    maddr = f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER_ID}"
+    run_id = format_run_id(b"\x01" * 20)
+    commands: list[tuple] = []
+
+    class Listed:  # the `swarmstream runs --json` subprocess
+        returncode = 0
+
+        async def communicate(self):
+            return json.dumps([{"run_id": run_id, "name": "local demo", "params": 1234, "peers": 1,
+                                "step": 40}]).encode(), b""
+
+    async def exec_(*cmd, **kw):
+        commands.append(cmd)
+        return Listed()
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", exec_)
+    monkeypatch.delenv("SWARMSTREAM_BOOTSTRAP", raising=False)
+    monkeypatch.setenv("SWARMSTREAM_HOME", str(sock.parent))
+    assert dashboard_app(sock).list_runs is None  # "no bootstrap peers known"
+    demo = SimpleNamespace(control_path=lambda i: sock, bootstrap=[maddr])
+
+    async def go():
+        with FakeNode(sock):
+            app = demo_dashboard(demo)
+            assert app.start_screen == "dashboard" and not app.quit_asks
+            async with app.run_test(size=(130, 42)) as pilot:
+                await until(pilot, lambda: app.model.node_up, "the demo's peer 0")
+                await pilot.press("r")
+                await until(pilot, lambda: app.current_mode == "runs" and app.screen.query_one("#runs").row_count,
+                            "the listed run")
+                assert "local demo" in [str(c) for c in app.screen.query_one("#runs").get_row_at(0)]
+                assert "1 run" in text_of(app, "#runs-note")
+                assert commands[0][-2:] == ("--initial-peers", maddr)
+                assert parse_run_address(app.screen.addresses[0]).bootstrap == (maddr,)
+
+    run(go())
