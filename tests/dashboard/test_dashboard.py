@@ -358,6 +358,20 @@ def test_runs_screen_without_listing_or_joining_says_so_and_r_refreshes(sock):
     run(go())
 
 
+def test_a_redraw_as_the_app_exits_does_not_crash(sock):
+    """The redraw timer can fire after the app has removed its screens on the way out; that
+    raised ScreenStackError through the app (seen when quitting)."""
+    async def go():
+        with FakeNode(sock):
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                await until(pilot, lambda: app.model.node_up, "the first status")
+            assert not app.screen_stack
+            app._redraw()  # what the timer calls
+
+    run(go())
+
+
 def test_the_settings_form_has_every_setting():
     """A key added to protocol/settings.py must get a field on the Settings screen."""
     want = {(section, key) for section, sub in Settings.__dataclass_fields__.items()
