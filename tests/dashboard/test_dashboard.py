@@ -177,10 +177,23 @@ def test_log_lines_reach_the_log_screen(sock):
             async with app.run_test(size=(130, 42)) as pilot:
                 await until(pilot, lambda: app.model.node_up, "the first status")
                 node.emit(LogRecorded(at=NOW, level="WARNING", logger="peer.allreduce", text="dropped member x"))
+                node.emit(LogRecorded(at=NOW, level="INFO", logger="peer.node", text="fragment synced fragment=1"))
+                await until(pilot, lambda: app.model.log_total == 2, "the lines in the model")
                 await pilot.press("l")
                 await until(pilot, lambda: app.current_mode == "log", "the log screen")
                 log = app.screen.query_one("#log")
-                await until(pilot, lambda: any("dropped member x" in str(line) for line in log.lines), "the line")
+                # lines that came while another screen was shown, then one that comes now
+                node.emit(LogRecorded(at=NOW, level="INFO", logger="peer.matchmaking", text="batch fragment=0"))
+                await until(pilot, lambda: len(log.lines) == 3, "three lines")
+                lines = [line.text for line in log.lines]
+                assert lines[0].endswith("WARNING peer.allreduce: dropped member x"), lines
+                assert lines[1].endswith("INFO    peer.node: fragment synced fragment=1"), lines
+                assert lines[2].endswith("INFO    peer.matchmaking: batch fragment=0"), lines
+                await pilot.press("d")
+                await pilot.press("l")  # a new visit shows them again, once each
+                await until(pilot, lambda: app.current_mode == "log", "the log screen again")
+                await pilot.pause(0.6)  # a redraw or more: it must not append the lines twice
+                assert len(app.screen.query_one("#log").lines) == 3
 
     run(go())
 
