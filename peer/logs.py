@@ -12,6 +12,24 @@ ROOT_LEVEL = logging.INFO
 """The root logger lets INFO through whatever the console shows, so the node's forwarder of
 log lines to the dashboard (``peer.node._LogToControl``, INFO and louder) receives them."""
 
+LEVEL_NAMES = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR",
+               logging.CRITICAL: "CRITICAL"}
+"""The names a record's ``levelname`` keeps (``LogRecorded.level`` accepts only these)."""
+
+
+def _standard_level_names(factory):
+    """A log record factory that keeps the standard level names. Importing hivemind renames
+    WARNING to "WARN" for the whole process (``logging.addLevelName``), and a LogRecorded with
+    level "WARN" is invalid: the node's forwarder dropped every warning on its way to the
+    dashboard. A factory applies whenever hivemind is imported, before or after us."""
+    def make(*args, **kwargs) -> logging.LogRecord:
+        record = factory(*args, **kwargs)
+        record.levelname = LEVEL_NAMES.get(record.levelno, record.levelname)
+        return record
+
+    make._swarmstream = True  # type: ignore[attr-defined]
+    return make
+
 
 def init_logging(level: str | int | None = None) -> None:
     """Configure the root logger once; calling it again only changes the console's level.
@@ -21,10 +39,15 @@ def init_logging(level: str | int | None = None) -> None:
     created only if the root's level allows it, and the dashboard's Log screen needs INFO
     even while the terminal shows only warnings.
 
-    hivemind keeps its own handler (level $HIVEMIND_LOGLEVEL) on the ``hivemind`` logger and
-    does not propagate to the root, so none of its lines reach the dashboard; ours sets only
-    the format and levels of the root logger and its console handler, so both stay readable.
+    Records keep the standard level names, WARNING included, though importing hivemind renames
+    it "WARN". hivemind keeps its own handler (level $HIVEMIND_LOGLEVEL) on the ``hivemind``
+    logger and does not propagate to the root, so none of its lines reach the dashboard; ours
+    sets only the format and levels of the root logger and its console handler, so both stay
+    readable.
     """
+    factory = logging.getLogRecordFactory()
+    if not getattr(factory, "_swarmstream", False):
+        logging.setLogRecordFactory(_standard_level_names(factory))
     level = level or os.environ.get("SWARMSTREAM_LOG", "WARNING")
     if isinstance(level, str):
         level = level.upper()

@@ -25,7 +25,7 @@ def root(monkeypatch):
     test's captured stderr), restored afterwards."""
     monkeypatch.delenv("SWARMSTREAM_LOG", raising=False)
     r = logging.getLogger()
-    saved = (r.level, list(r.handlers))
+    saved = (r.level, list(r.handlers), logging.getLogRecordFactory())
     for h in list(r.handlers):
         if getattr(h, "_swarmstream", False):
             r.removeHandler(h)
@@ -33,6 +33,7 @@ def root(monkeypatch):
     yield r, collect
     r.handlers[:] = saved[1]
     r.setLevel(saved[0])
+    logging.setLogRecordFactory(saved[2])
 
 
 def test_info_reaches_the_control_handler_while_stderr_shows_warnings_only(root, capsys):
@@ -97,3 +98,31 @@ def test_hivemind_lines_do_not_reach_the_dashboard(root):
     get_logger("hivemind.dht.dht").info("hivemind info line")
     get_logger("hivemind.p2p.p2p_daemon").warning("hivemind warning line")
     assert not collect.records
+
+
+def test_warnings_reach_the_dashboard_although_hivemind_renames_the_level(root, capsys):
+    """Importing hivemind renames WARNING to "WARN" process-wide; LogRecorded accepts only the
+    standard names, so the node's forwarder used to drop every warning."""
+    from types import SimpleNamespace
+
+    import hivemind  # noqa: F401  (the node process always has it)
+    from peer.node import _LogToControl
+
+    assert logging.getLevelName(logging.WARNING) == "WARN"
+    r, _ = root
+    init_logging()
+    sent: list = []
+    forward = _LogToControl(SimpleNamespace(_emit=sent.append))  # the node's own handler
+    r.addHandler(forward)
+    try:
+        log = logging.getLogger("peer.allreduce")
+        log.info("late slice ignored peer=x")
+        log.warning("dropped member reason=timeout peer=x")
+        log.error("state sync failed")
+    finally:
+        r.removeHandler(forward)
+    assert [(m.level, m.logger, m.text) for m in sent] == [
+        ("INFO", "peer.allreduce", "late slice ignored peer=x"),
+        ("WARNING", "peer.allreduce", "dropped member reason=timeout peer=x"),
+        ("ERROR", "peer.allreduce", "state sync failed")]
+    assert "WARNING peer.allreduce: dropped member" in capsys.readouterr().err
