@@ -13,14 +13,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from peer.identity_store import load_or_create_identity
+from peer.launch import child_cwd, child_env, module_command
 from peer.settings_store import save_settings
 from protocol.config import DataConfig, InnerConfig, SyncConfig, TrainConfig, model_preset
 from protocol.manifest import RunAddress, RunManifest, SwarmConfig, open_manifest, sign_manifest
@@ -60,11 +60,12 @@ class Demo:
         self.manifest, self.device = manifest, device  # another run than the demo's (benchmarks)
         self.launcher = launcher or {}  # per-peer command prefix, e.g. ["ip", "netns", "exec", "ss3"]
         self.args = args or {}  # per-peer extra node flags, e.g. ["--reachability", "private"]
-        self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="swarmstream-demo-"))
+        self.dir = Path(workdir).resolve() if workdir else Path(tempfile.mkdtemp(prefix="swarmstream-demo-"))
         self.on_event = on_event or (lambda i, ev: None)
         self.procs: dict[int, subprocess.Popen] = {}
         self.readers: list[threading.Thread] = []
         self.summaries: dict[int, dict] = {}
+        self.landed: dict[int, dict[tuple[int, int], str]] = {}  # peer -> (fragment, round) -> digest
         self.errors: dict[int, str] = {}
         self._listening = threading.Event()
         self._first_maddrs: list[str] = []
@@ -73,8 +74,8 @@ class Demo:
 
     def _spawn(self, i: int, source: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
         # N peers share the cores: one torch thread each
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
-        cmd = [*self.launcher.get(i, []), sys.executable, "-m", "peer.node", *source,
+        env = child_env(OMP_NUM_THREADS="1", **(env_extra or {}))
+        cmd = [*self.launcher.get(i, []), *module_command("peer.node"), *source,
                "--identity", str(self.dir / f"peer{i}.key"),
                "--data-dir", str(self.dir / f"peer{i}"), "--listen", self.listen.get(i, LOCALHOST),
                "--device", self.device]
@@ -92,7 +93,7 @@ class Demo:
         cmd += self.args.get(i, [])
         log = open(self.dir / f"peer{i}.log", "ab")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)  # Ctrl+C reaches the demo, which stops peers in order
+                                cwd=child_cwd(self.dir), start_new_session=True)  # Ctrl+C reaches the demo, which stops peers in order
         self.procs[i] = proc
         reader = threading.Thread(target=self._read, args=(i, proc), daemon=True)
         reader.start()
@@ -114,6 +115,8 @@ class Demo:
                 self._listening.set()
             elif ev.get("event") == "summary":
                 self.summaries[i] = ev
+            elif ev.get("event") == "synced":
+                self.landed.setdefault(i, {})[(ev["fragment"], ev["round"])] = ev["digest"]
             self.on_event(i, ev)
         code = proc.wait()
         if code != 0 and i not in self.summaries and code != -signal.SIGKILL:
@@ -153,16 +156,33 @@ class Demo:
         for reader in self.readers:  # each reads its peer's stdout to EOF
             reader.join(10)
         s = [self.summaries[i] for i in sorted(self.summaries)]
-        digests = {x["global_digest"] for x in s}
+        if len(s) == len(self.procs) and s and len({x["global_digest"] for x in s}) == 1:
+            agree, agreed_round = True, min(x["rounds"] for x in s)  # the final copies, repairs included
+        else:  # stopped at different points (Ctrl+C): compare where all of them were
+            agree, agreed_round = self._agreement()
         return {
             "peers": len(self.procs), "finished": len(s), "rounds": min((x["rounds"] for x in s), default=0),
             "heldout_loss": round(sum(x["heldout_loss"] for x in s) / len(s), 4) if s else None,
             "bytes_sent_per_peer": int(sum(x["bytes_sent"] for x in s) / len(s)) if s else 0,
             "syncs_alone": sum(x["syncs_alone"] for x in s),
-            "global_copies_agree": len(digests) == 1 and len(s) == len(self.procs),
+            "global_copies_agree": agree, "compared_at_round": agreed_round,
             "errors": [self.errors[i] for i in sorted(self.errors)],
             "workdir": str(self.dir),
         }
+
+    def _agreement(self) -> tuple[bool, int | None]:
+        """Whether every peer held the same global copy of every fragment at the newest round
+        that all of them landed (peers stopped by Ctrl+C stop at different rounds, so their
+        final copies may differ by a round), and that round (None: no common round)."""
+        if len(self.landed) < len(self.procs) or not self.landed:
+            return False, None
+        common = set.intersection(*(set(d) for d in self.landed.values()))
+        fragments = {f for f, _ in common}
+        full = [r for r in {r for _, r in common} if all((f, r) in common for f in fragments)]
+        if not full:
+            return False, None
+        r = max(full)
+        return all(len({d[(f, r)] for d in self.landed.values()}) == 1 for f in fragments), r
 
     def stop(self, timeout: float = 20.0) -> None:
         """Ask every peer to finish (SIGINT), then kill what is left after ``timeout``."""

@@ -57,6 +57,9 @@ def load_identity(path: str | os.PathLike[str]) -> Identity:
         raise
     except OSError as e:
         raise IdentityFileError(f"cannot read identity file {path}: {e.strerror}; check its permissions") from None
+    if stat.S_ISDIR(os.fstat(fd).st_mode):  # fdopen refuses a folder with a bare errno
+        os.close(fd)
+        raise IdentityFileError(f"identity path {path} is not a regular file (a folder); point --identity at the key file")
     with os.fdopen(fd, "rb") as f:
         _check_private(path, os.fstat(f.fileno()))  # fstat: the file we read, not a swapped one
         data = f.read(_MAX_KEY_FILE_BYTES + 1)

@@ -16,7 +16,8 @@ import concurrent.futures
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.protocol import DHTProtocol

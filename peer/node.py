@@ -38,13 +38,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
 from peer.allreduce import Averager
 from peer import conditions, paths
-from peer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from peer.checkpoint import CheckpointError, NonFiniteState, checkpoint_exists, load_checkpoint, save_checkpoint
 from peer.control import CommandError, ControlError, ControlServer
 from peer.credit import CreditLedger
 from peer.data import ShardSampler, heldout_batches, load_corpus
@@ -52,7 +53,7 @@ from peer.identity_store import load_or_create_identity
 from peer.matchmaking import Matchmaker
 from peer.model import Transformer
 from peer.network import Network, NetworkConfig, NetworkError
-from peer.presence import Presence
+from peer.presence import Presence, RunNotFound
 from peer.ratelimit import RateLimiter, mbps_to_bytes_per_s
 from peer.settings_store import load_settings, save_settings
 from peer.globalstate import StateSyncError, apply, choose_digest, snapshot
@@ -61,8 +62,8 @@ from peer.worker import Worker, evaluate, pick_device
 from protocol.butterfly import slice_bounds
 from protocol.identity import peer_id_from_public_key
 from protocol import __version__
-from protocol.errors import ConfigError
-from protocol.manifest import SignedManifest, open_manifest
+from protocol.errors import ConfigError, ProtocolError
+from protocol.manifest import RunAddress, SignedManifest, open_manifest
 from protocol.messages import Message
 from protocol.messages_control import (
     FinishAndStop, FragmentSynced, FragmentSyncFailed, LeaveRun, LogRecorded, LossMeasured, PauseTraining, PeerJoined,
@@ -76,6 +77,7 @@ log = logging.getLogger(__name__)
 # Fault injection for the swarm tests, e.g. "die-after-group:0:1": SIGKILL ourselves right after
 # joining the group of fragment 0, round 1, so the others see a member vanish mid all-reduce.
 _FAULT = os.environ.get("SWARMSTREAM_FAULT", "")
+CONFIRM_REASON = "waiting for you to confirm in the dashboard (or `swarmstream resume`)"
 STATE_INDEX_ATTEMPTS = 4  # asks of the donors' current index before giving up on a state download
 
 
@@ -155,7 +157,7 @@ def lock_identity(identity_path: Path) -> int:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
         raise NodeAlreadyRunning(f"a swarmstream node already runs with the identity {identity_path} "
-                                 f"(pid {holder}); stop it with `swarmstream stop`, or pass another --identity")
+                                 f"(pid {holder}); stop it with `swarmstream stop`, or pass another --identity") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
@@ -197,8 +199,8 @@ class Node:
         self.ledger: CreditLedger | None = None
         self.signed: SignedManifest | None = None
         # what the volunteer asked for (set from the control thread, read by the training thread)
-        self._user_paused = cfg.wait_for_confirm and not self.settings.client.confirmed
-        self._pause_reason = "waiting for you to confirm in the dashboard" if self._user_paused else ""
+        self._user_paused = False
+        self._pause_reason = CONFIRM_REASON if self._awaiting_confirm() else ""
         self._finish_requested = False
         self._leave_requested = False
         self._settings_changed = True
@@ -212,6 +214,7 @@ class Node:
         self._loss_history: deque[Message] = deque(maxlen=400)
         self.upload_limiter, self.download_limiter = RateLimiter(), RateLimiter()
         self._apply_caps()
+        self._maddrs: list[str] = []  # our dialable addresses (status reads them from the first request on)
         self.control: ControlServer | None = None
         self._log_handler: logging.Handler | None = None
         try:
@@ -252,7 +255,7 @@ class Node:
             self._repair_due = False  # the last full round had a lone sync: compare with the majority
             self._caught_up = False  # joined the swarm's state (or found nobody ahead); until then lag 1
             self._sync_started_at: list[int] = []  # step of each fragment's latest contribution
-            self._maddrs: list[str] = self.net.visible_maddrs()
+            self._maddrs = self.net.visible_maddrs()
         except BaseException:
             self.net.close()
             self._release()
@@ -280,6 +283,13 @@ class Node:
         self._recent.append(msg)
         self._emit(msg)
 
+    def join_address(self) -> str:
+        """The address others paste into ``swarmstream join``: the run ID and our dialable
+        addresses (others' loopback is not ours, so loopback only when there is nothing else)."""
+        maddrs = [m for m in self._maddrs if "/p2p-circuit" not in m] or list(self._maddrs)
+        outside = [m for m in maddrs if not m.startswith(("/ip4/127.", "/ip6/::1/"))]
+        return str(RunAddress(self.run_id, tuple((outside or maddrs)[:4])))
+
     def reachability(self) -> str:
         if not self._maddrs:
             return "unreachable"
@@ -300,7 +310,7 @@ class Node:
         return dict(
             at=time.time(), run_id=self.signed.run_id if self.signed else b"",
             run_name=self.signed.manifest.name if self.signed else "", peer_id=self.identity.peer_id,
-            state=self.state, pause_reason=self._pause_reason if self.state == "paused" else "",
+            state=self.state, pause_reason=self._pause_reason if self.state in ("paused", "pausing") else "",
             step=w.step if w else self._last_step(), tokens=c.tokens_trained if c else 0,
             tokens_per_s=(w.tokens / st.inner_s) if (w and st.inner_s > 0) else 0.0,
             loss=st.losses[-1][1] if st.losses else None, heldout_loss=st.heldout[-1][1] if st.heldout else None,
@@ -314,6 +324,7 @@ class Node:
             fragments_contributed=c.fragments_contributed if c else 0,
             fragments_alone=c.fragments_alone if c else 0, rounds_joined=c.rounds_joined if c else 0,
             steps_dropped=c.steps_dropped if c else 0,
+            join_address=self.join_address() if self._maddrs else "",
             total_steps=self.signed.manifest.train.inner.total_steps if self.signed else 0)
 
     def _last_step(self) -> int:
@@ -335,11 +346,17 @@ class Node:
             if self._finish_requested or self.stop_event.is_set():
                 raise CommandError("the node is finishing; it will stop after this round")
             self._user_paused, self._pause_reason = True, "paused by you"
+            if self.state in ("training", "averaging", "syncing"):
+                self.state = "pausing"  # until what is in flight has landed
         elif isinstance(msg, ResumeTraining):
-            if not self._user_paused:
+            if self._awaiting_confirm():
+                self._confirm()  # resuming a node that never started is the volunteer's go-ahead
+            elif not self._user_paused:
                 why = f" (it waits: {self._pause_reason})" if self.state == "paused" else ""
                 raise CommandError(f"not paused by you{why}")
             self._user_paused, self._pause_reason = False, ""
+            if self.state == "pausing":  # resumed before the loop got to pause
+                self.state = "training"
         elif isinstance(msg, FinishAndStop):
             self._finish_requested = True
         elif isinstance(msg, LeaveRun):
@@ -353,12 +370,29 @@ class Node:
             except (ConfigError, OSError) as e:
                 raise CommandError(str(e)) from None
             self.settings = new
+            if not self._awaiting_confirm() and self._pause_reason == CONFIRM_REASON:
+                self._pause_reason = ""  # confirmed through the settings (the dashboard's first-run dialog)
             self._apply_caps()
             self._settings_changed = True
             log.info("settings updated path=%s", self.cfg.settings_path)
         else:
             raise CommandError(f"{type(msg).__name__} is not a command this node takes")
         self._wake.set()
+
+    def _awaiting_confirm(self) -> bool:
+        """A first run started with --wait-for-confirm trains only once the volunteer agreed.
+        The settings file is the one record of that agreement, shared by node and dashboard."""
+        return self.cfg.wait_for_confirm and not self.settings.client.confirmed
+
+    def _confirm(self) -> None:
+        new = self.settings.replace(client_confirmed=True)
+        if self.cfg.settings_path is not None:
+            try:
+                save_settings(self.cfg.settings_path, new)
+            except OSError as e:
+                raise CommandError(f"could not save the confirmation to {self.cfg.settings_path}: {e.strerror}") from None
+        self.settings = new
+        log.info("the volunteer confirmed contributing; saved client.confirmed=true path=%s", self.cfg.settings_path)
 
     def snapshot_events(self) -> list[Message]:
         now = time.time()
@@ -452,13 +486,13 @@ class Node:
         sampler = ShardSampler(self._corpus.train, train.model.seq_len, train.inner.batch_size, train.data.seed,
                                self.identity.public_key)
         rounds = [0] * len(worker.outer)
-        if self._ckpt.exists():
+        if checkpoint_exists(self._ckpt):
             try:
                 rounds = load_checkpoint(self._ckpt, worker, sampler, run_id=self.run_id)
                 log.info("resumed from checkpoint path=%s step=%d rounds=%s", self._ckpt, worker.step, rounds)
                 self.on_event({"event": "resumed", "step": worker.step, "rounds": rounds})
-            except CheckpointError as e:
-                raise SystemExit(f"swarmstream: error: {e}") from None
+            except CheckpointError:
+                raise  # main() says it in one line; nothing was changed
         self.worker, self.sampler = worker, sampler
         self.stats.rounds = rounds
         self._sync_started_at = [worker.step] * len(worker.outer)
@@ -478,6 +512,11 @@ class Node:
         self._progress = (0.0, "writing a checkpoint")
         try:
             save_checkpoint(self._ckpt, self.worker, self.sampler, run_id=self.run_id, rounds=self.stats.rounds)
+        except NonFiniteState as e:
+            # never over a good checkpoint: keep it, and take the swarm's state at the next
+            # chance (a repair compares our digest with what the other peers vouch for)
+            log.error("not saving a checkpoint: %s; the last good one is kept", e)
+            self._repair_due = True
         finally:
             self._progress = None
 
@@ -500,6 +539,8 @@ class Node:
             torch.set_num_threads(threads)
 
     def _pause_wanted(self) -> str:
+        if self._awaiting_confirm():
+            return CONFIRM_REASON
         if self._user_paused:
             return self._pause_reason or "paused by you"
         return self._conditions_reason()
@@ -516,11 +557,10 @@ class Node:
         while not self.stop_event.is_set() and not self._finish_requested:
             self._beat(swarm)
             self._refresh_peers(swarm)
-            if not self._user_paused:
-                reason = self._conditions_reason()
-                if not reason:
-                    break
-                self._pause_reason = reason
+            reason = self._pause_wanted()
+            if not reason:
+                break
+            self._pause_reason = reason
             self._wake.wait(swarm.heartbeat_interval_s)
             self._wake.clear()
         if self.stop_event.is_set() or self._finish_requested:
@@ -895,7 +935,9 @@ class Node:
                             else self.net.visible_maddrs())
         except Exception as e:
             log.info("could not read our addresses reason=%r", e)
-        hb = Heartbeat(run_id=self.run_id, sent_at=now, state=self.state, step=step,
+        # to the swarm a pausing peer still averages: it lands what it has in flight first
+        state = "averaging" if self.state == "pausing" else self.state
+        hb = Heartbeat(run_id=self.run_id, sent_at=now, state=state, step=step,
                        tokens=self.ledger.credit.tokens_trained, tokens_per_s=tput, rounds=tuple(self.stats.rounds),
                        state_digest=self.state_digest, reachable=self.reachability() == "direct",
                        maddrs=tuple(self._maddrs)[:8], client=f"swarmstream/{__version__}",
@@ -949,7 +991,6 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from peer.logs import init_logging
-    from protocol.manifest import parse_run_address
 
     ap = argparse.ArgumentParser(prog="python -m peer.node")
     src = ap.add_mutually_exclusive_group(required=True)
@@ -976,10 +1017,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level")
     args = ap.parse_args(argv)
     init_logging(args.log_level)
+    try:
+        return _run_node(args)
+    except KeyboardInterrupt:  # a second Ctrl+C: out at once; the last checkpoint stays as it was
+        print("swarmstream: stopped at once (second Ctrl+C); the round in flight is not contributed, "
+              "the last checkpoint is kept", file=sys.stderr)
+        return 130
+    except USER_ERRORS as e:
+        print(f"swarmstream: error: {one_line(e)}", file=sys.stderr)
+        return 2
+
+
+# What a volunteer can fix (a key file, an address, a run ID, a checkpoint, a port in use):
+# said in one line, exit code 2, no traceback.
+USER_ERRORS = (NodeAlreadyRunning, ControlError, ProtocolError, RunNotFound, NetworkError, CheckpointError,
+               OSError)
+
+
+def one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.strerror or type(e).__name__}: {e.filename}"
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
+def _run_node(args) -> int:
+    from protocol.manifest import parse_run_address
+
     initial = list(args.initial_peers)
     manifest_bytes = run_id = None
     if args.manifest:
-        manifest_bytes = args.manifest.read_bytes()
+        manifest_bytes = read_manifest_file(args.manifest)
     else:
         addr = parse_run_address(args.address)
         run_id, initial = addr.run_id, initial + list(addr.bootstrap)
@@ -988,28 +1056,35 @@ def main(argv: list[str] | None = None) -> int:
                      initial_peers=tuple(initial), device=args.device, max_rounds=args.rounds,
                      checkpoint_every_s=args.checkpoint_every, min_peers=args.min_peers, control_path=control,
                      settings_path=args.settings or paths.settings_path(), wait_for_confirm=args.wait_for_confirm,
-                     reachability=args.reachability,
-                     eval_every_rounds=args.eval_every)
+                     reachability=args.reachability, eval_every_rounds=args.eval_every)
+
     def print_event(ev: dict) -> None:
         try:
             print(json.dumps(ev), flush=True)
         except BrokenPipeError:  # whoever read our events is gone; the node trains on
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
-    try:
-        node = Node(cfg, manifest_bytes=manifest_bytes, run_id=run_id, on_event=print_event)
-    except (NodeAlreadyRunning, ControlError, ConfigError) as e:
-        print(f"swarmstream: error: {e}", file=sys.stderr)
-        return 2
+    node = Node(cfg, manifest_bytes=manifest_bytes, run_id=run_id, on_event=print_event)
     try:
         install_signal_handlers(node)
-        print(json.dumps({"event": "listening", "peer": node.identity.peer_id,
-                          "maddrs": node.net.visible_maddrs(), "run_id": node.signed.run_id_text}), flush=True)
+        print_event({"event": "listening", "peer": node.identity.peer_id, "maddrs": node.net.visible_maddrs(),
+                     "run_id": node.signed.run_id_text, "address": node.join_address()})
         summary = node.run()
-        print(json.dumps({"event": "summary", **summary}), flush=True)
+        print_event({"event": "summary", **summary})
     finally:
         node.close()
     return 0
+
+
+def read_manifest_file(path: Path) -> bytes:
+    """A run manifest file's bytes (a signed ``.swarmrun``), refusing what cannot be one."""
+    from protocol.messages import MAX_HEAD_BYTES
+
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a manifest file; create one with `swarmstream run new`")
+    if path.stat().st_size > MAX_HEAD_BYTES:
+        raise ConfigError(f"{path} is {path.stat().st_size:,} bytes, too large for a run manifest")
+    return path.read_bytes()
 
 
 if __name__ == "__main__":

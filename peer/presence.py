@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
@@ -83,12 +84,16 @@ class Presence:
     async def fetch_manifest(self, run_id: bytes) -> tuple[SignedManifest, bytes]:
         """The run's manifest (verified against ``run_id``) and its signed bytes."""
         found = await self.dht.get(manifest_key(run_id), latest=True)
+        refused = ""
         for writer, value in _entries(found):
             try:
                 _check_subkey(writer, 32)
                 return open_manifest(value, run_id=run_id), bytes(value)
             except RemoteProtocolError as e:
                 self._reject(writer, "manifest", e)
+                refused = str(e)
+        if refused:
+            raise RunNotFound(f"the manifest of run {format_run_id(run_id)} was found but refused: {refused}")
         raise RunNotFound(f"no peer holds the manifest of run {format_run_id(run_id)}; check the run ID, or "
                           "join through a peer of that run (swarmstream join RUN_ID@MULTIADDR)")
 

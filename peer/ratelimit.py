@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+from collections.abc import Callable
 
 CHUNK_BYTES = 64 << 10  # write size under a cap: small enough to keep the rate smooth
 

@@ -9,7 +9,7 @@ reducer included, then uses the *decoded* mean, so all members hold bit-identica
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 def slice_bounds(numel: int, n: int) -> list[tuple[int, int]]:

@@ -109,6 +109,12 @@ _INT_CAPS = {
 
 def check_train_limits(train: TrainConfig) -> None:
     """Raise FieldError if ``train`` is valid but beyond what a swarm run may ask for."""
+    if train.sync.method == "ddp":
+        # data-parallel needs an all-reduce of every gradient at every inner step: a datacenter
+        # network, not the internet. It stays a baseline of the in-process simulation.
+        raise FieldError("sync.method 'ddp' averages gradients at every inner step, which a swarm over the "
+                         "internet cannot keep up with; use --mode streaming or diloco (-H 1 for the closest "
+                         "to data-parallel), or compare with ddp in `swarmstream simulate --mode ddp`")
     for path, cap in _INT_CAPS.items():
         section, name = path.split(".")
         value = getattr(getattr(train, section), name)

@@ -24,7 +24,10 @@ from protocol.messages_swarm import PEER_STATES, Fragment, Round
 
 RequestId = U32
 """Chosen by the dashboard; 0 marks a status the node pushed on its own."""
-NodeState = Annotated[str, Str(choices=PEER_STATES)]
+NODE_STATES = (*PEER_STATES, "pausing")
+"""A node's states as the control socket reports them: a peer's, and ``pausing`` (a pause was
+asked for; the syncs in flight land first). Heartbeats say ``averaging`` then."""
+NodeState = Annotated[str, Str(choices=NODE_STATES)]
 Loss = Annotated[float, Float(0.0, 1e9)]
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOSS_SPLITS = ("train", "heldout")
@@ -160,6 +163,9 @@ class StatusReported(Message):
     """Inner steps trained and then dropped because the run moved on (we were told so)."""
     # Fields added later have defaults, so a dashboard reads a node that predates them
     # (protocol.messages: a sender may leave off the defaulted tail). New fields go below.
+    join_address: Annotated[str, Str(max_len=4096)] = ""
+    """What others paste into ``swarmstream join`` to join this run through this node ("" while
+    the node has not joined a run yet)."""
     total_steps: U64 = 0
     """The run's step target (its manifest's ``train.inner.total_steps``): with ``step`` and
     ``inner_step_s`` it gives the progress and an ETA. 0: unknown (no run yet, or an older node)."""

@@ -25,6 +25,7 @@ class FakeNode:
     def __init__(self, socket_path: Path, **status: Any):
         self.lock = threading.Lock()
         self.commands: list[Message] = []
+        self.refuse_once: dict[type, str] = {}  # command class -> the one-line refusal it gets next time
         self.settings = Settings(client=ClientSettings(confirmed=True))  # a volunteer past the first run
         self.fields: dict[str, Any] = dict(
             at=time.time(), run_id=b"\x01" * 20, run_name="fake run", peer_id=PEER_ID, state="training",
@@ -53,6 +54,8 @@ class FakeNode:
         with self.lock:
             self.commands.append(msg)
             old = self.fields["state"]
+            if type(msg) in self.refuse_once:
+                raise CommandError(self.refuse_once.pop(type(msg)))
             if isinstance(msg, PauseTraining):
                 if old == "paused":
                     raise CommandError("already paused")
@@ -60,6 +63,9 @@ class FakeNode:
             elif isinstance(msg, ResumeTraining):
                 if old != "paused":
                     raise CommandError("not paused")
+                if not self.settings.client.confirmed:  # as the real node: resuming is the go-ahead
+                    self.settings = self.settings.replace(client_confirmed=True)
+                    self.fields["settings_toml"] = render_settings(self.settings)
                 self.fields.update(state="training", pause_reason="")
             elif isinstance(msg, (FinishAndStop, LeaveRun)):
                 self.fields.update(state="finishing")

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from peer import paths
-from protocol.messages_control import FinishAndStop, LeaveRun, PauseTraining, ResumeTraining, StatusReported
+from protocol.messages_control import (
+    FinishAndStop, GetStatus, LeaveRun, PauseTraining, ResumeTraining, StatusReported,
+)
 from protocol.settings import parse_settings
 from tui.control_client import ControlConnection, ControlError, call
 from tui.run_progress import run_progress
@@ -87,22 +88,44 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+PAUSE_WAIT_S = 120.0  # landing what is in flight takes at most a matchmaking and an all-reduce deadline
+
+
 def cmd_pause(args: argparse.Namespace) -> int:
+    """Returns once the node has paused (it lands its syncs in flight first), or says it is
+    still pausing."""
     try:
         call(args.control, PauseTraining)
+        print("pausing: the node contributes what it has in flight, then releases the accelerator ...",
+              file=sys.stderr, flush=True)
+        deadline = time.monotonic() + args.wait_s
+        while (st := call(args.control, GetStatus)).state != "paused":
+            if time.monotonic() > deadline:
+                print(f"still pausing after {args.wait_s:.0f} s (state {st.state}); `swarmstream status` shows when "
+                      "it has paused")
+                return 0
+            time.sleep(0.25)
     except ControlError as e:
         return _fail(str(e))
-    print("paused: the node contributes what it has in flight, then releases the accelerator "
-          "(`swarmstream resume` to go on)")
+    print("paused (`swarmstream resume` to go on)")
     return 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
     try:
+        before = call(args.control, GetStatus)
         call(args.control, ResumeTraining)
     except ControlError as e:
         return _fail(str(e))
-    print("resuming: the node catches up with the swarm if it moved on, then trains")
+    try:
+        confirmed = parse_settings(before.settings_toml).client.confirmed
+    except Exception:  # a node of another version: say the usual
+        confirmed = True
+    if before.state == "paused" and not confirmed:
+        print(f"starting: this node had been waiting for your go-ahead to contribute (first run); resuming gives it, "
+              f"and it is saved as client.confirmed = true in {before.settings_path or 'the settings'}")
+    else:
+        print("resuming: the node catches up with the swarm if it moved on, then trains")
     return 0
 
 
@@ -122,13 +145,16 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_background_node(address: str, *, control: Path | None = None, identity: Path | None = None,
-                          data_dir: Path | None = None, settings: Path | None = None, listen: str = "/ip4/0.0.0.0/tcp/0",
-                          extra: list[str] | None = None, timeout: float = START_TIMEOUT_S) -> Path:
-    """Start ``python -m peer.node`` detached from this terminal (it keeps contributing after the
-    dashboard closes), wait until its control socket answers, and return the socket's path.
-    First runs start paused until the volunteer confirms in the dashboard."""
+def start_background_node(address: str | None, *, manifest: Path | None = None, control: Path | None = None,
+                          identity: Path | None = None, data_dir: Path | None = None, settings: Path | None = None,
+                          listen: str = "/ip4/0.0.0.0/tcp/0", extra: list[str] | None = None,
+                          timeout: float = START_TIMEOUT_S) -> Path:
+    """Start a node detached from this terminal (it keeps contributing after the dashboard
+    closes), wait until its control socket answers, and return the socket's path. It joins the
+    run at ``address``, or hosts the run of the ``manifest`` file. First runs start paused until
+    the volunteer confirms in the dashboard."""
     from peer.control import node_answers
+    from peer.launch import child_cwd, child_env, module_command
 
     control = control or paths.control_path()
     if node_answers(control):
@@ -136,24 +162,53 @@ def start_background_node(address: str, *, control: Path | None = None, identity
     log_dir = paths.data_dir() / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "node.log"
-    cmd = [sys.executable, "-m", "peer.node", "--address", address,
-           "--identity", str(identity or paths.identity_path()), "--data-dir", str(data_dir or paths.data_dir() / "runs"),
-           "--control", str(control), "--settings", str(settings or paths.settings_path()), "--listen", listen,
-           "--wait-for-confirm", *(extra or [])]
+    source = ["--address", address] if manifest is None else ["--manifest", str(Path(manifest).resolve())]
+    cmd = module_command("peer.node", *source,
+                         "--identity", str(Path(identity or paths.identity_path()).resolve()),
+                         "--data-dir", str(Path(data_dir or paths.data_dir() / "runs").resolve()),
+                         "--control", str(Path(control).resolve()),
+                         "--settings", str(Path(settings or paths.settings_path()).resolve()), "--listen", listen,
+                         "--wait-for-confirm", *(extra or []))
     with open(log_path, "ab") as log:
         log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                env=child_env(), cwd=child_cwd(log_dir))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if node_answers(control, timeout=0.5):
             return control
         if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-            raise ControlError(f"the node exited with code {proc.returncode}: {tail[0]} (log: {log_path})")
+            raise ControlError(f"the node exited with code {proc.returncode}: {last_error(log_path)} (log: {log_path})")
         time.sleep(0.2)
     raise ControlError(f"the node did not open its control socket within {timeout:.0f} s; see {log_path}")
+
+
+def wait_for_address(control: Path, timeout: float = START_TIMEOUT_S) -> str:
+    """The address others join through, once the node at ``control`` is on the network."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            st = call(control, GetStatus)
+        except ControlError as e:
+            raise ControlError(f"the node stopped before it was on the network ({e}); see "
+                               f"{paths.data_dir() / 'logs' / 'node.log'}") from None
+        if st.join_address:
+            return st.join_address
+        if time.monotonic() > deadline:
+            raise ControlError(f"the node was not on the network within {timeout:.0f} s; see "
+                               f"{paths.data_dir() / 'logs' / 'node.log'}")
+        time.sleep(0.5)
+
+
+def last_error(log_path: Path) -> str:
+    """The node's own one-line reason from the end of its log (``swarmstream: error: ...``), or
+    its last line."""
+    lines = log_path.read_text(errors="replace").strip().splitlines()[-50:] or ["(no output)"]
+    for line in reversed(lines):
+        if line.startswith("swarmstream: error: "):
+            return line.removeprefix("swarmstream: error: ")
+    return lines[-1]
 
 
 def add_node_parsers(sub: argparse._SubParsersAction) -> None:
@@ -167,6 +222,8 @@ def add_node_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_status)
     p = sub.add_parser("pause", help="pause the running node (it contributes what is in flight first)")
     control_flag(p)
+    p.add_argument("--wait-s", type=float, default=PAUSE_WAIT_S, metavar="SECONDS",
+                   help="how long to wait for the pause to take effect (default %(default)g)")
     p.set_defaults(func=cmd_pause)
     p = sub.add_parser("resume", help="resume a paused node")
     control_flag(p)

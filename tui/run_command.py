@@ -139,12 +139,11 @@ def run_new(args: argparse.Namespace) -> int:
     print(f"model     {args.preset}, {train.model.num_params():,} parameters; "
           f"H={train.sync.inner_steps} P={train.sync.fragments} tau={train.sync.overlap} "
           f"alpha={train.sync.alpha} codec={train.sync.codec} group={swarm.group_size}")
+    print(f"host with swarmstream host {path}")
+    print("          (it starts your node for this run and prints the address others paste into "
+          "`swarmstream join`)")
     if args.bootstrap:
         print(f"join with swarmstream join {address}")
-    else:
-        print("join with swarmstream join "
-              f"{address}@/ip4/<PUBLIC-IP>/tcp/<PORT>/p2p/{identity.peer_id}")
-        print("          (fill in the address your node listens on, or pass --bootstrap)")
     return 0
 
 

@@ -1,9 +1,10 @@
-"""``swarmstream demo``, ``join`` and ``runs``: the commands that put a node on the network.
+"""``swarmstream demo``, ``host``, ``join`` and ``runs``: the commands that put a node on the network.
 
 Nodes run as their own processes (``python -m peer.node``) and the dashboard attaches to one
-over its control socket. ``join`` starts the node in the background (it keeps contributing
-when the dashboard closes) and opens the dashboard; ``demo`` starts a local swarm and opens
-the dashboard of its first peer. With ``--headless`` both print progress lines instead.
+over its control socket. ``host`` and ``join`` start the node in the background (it keeps
+contributing when the dashboard closes) and open the dashboard; ``demo`` starts a local swarm
+and opens the dashboard of its first peer. With ``--headless`` they run the node in the
+foreground and print progress lines instead.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+
+
+HOST_PORT = 31337  # a host's default TCP port: the address it prints stays valid across restarts
 
 
 def _fail(msg: str) -> int:
@@ -128,9 +132,11 @@ def runs_lister(bootstrap: list[str]):
 
         from protocol.manifest import RunAddress, parse_run_id
 
+        from peer.launch import child_cwd, child_env, module_command
+
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tui.cli", "runs", "--json", "--initial-peers", *bootstrap,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            *module_command("tui.cli", "runs", "--json", "--initial-peers", *bootstrap),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=child_env(), cwd=child_cwd())
         out, err = await proc.communicate()
         if proc.returncode != 0:
             lines = err.decode(errors="replace").strip().splitlines()
@@ -156,31 +162,62 @@ def cmd_join(args: argparse.Namespace) -> int:
         return _fail(str(e))
     if not address.bootstrap and not args.initial_peers:
         return _fail("no peer to join through: paste a full address RUN_ID@MULTIADDR or add --initial-peers")
+    return _start_node(args, f"run {format_run_id(address.run_id)}", address=str(address))
+
+
+def cmd_host(args: argparse.Namespace) -> int:
+    """Host a run from its manifest file: this node is the first peer and others join through it."""
+    from peer.node import read_manifest_file
+    from protocol.errors import ProtocolError
+    from protocol.manifest import open_manifest
+
+    try:
+        signed = open_manifest(read_manifest_file(args.manifest))
+    except (ProtocolError, OSError) as e:
+        return _fail(f"{args.manifest}: {e}")
+    return _start_node(args, f"run {signed.manifest.name!r} ({signed.run_id_text})", manifest=args.manifest.resolve())
+
+
+def _say_address(address: str) -> None:
+    print(f"others join this run with:\n\n    swarmstream join '{address}'\n\n(share that line; it holds the run ID and "
+          "this machine's addresses. A joiner outside your network needs the port forwarded, or a public host.)",
+          file=sys.stderr, flush=True)
+
+
+def _start_node(args: argparse.Namespace, what: str, *, address: str | None = None,
+                manifest: Path | None = None) -> int:
+    """``join`` and ``host``: a node for ``address`` or ``manifest``, in the background with the
+    dashboard, or in the foreground with ``--headless``."""
     from peer import paths
+    from peer.launch import child_cwd, child_env, module_command
 
     identity = args.identity or paths.identity_path()
     data_dir = args.data_dir or paths.data_dir() / "runs"  # beside the key, in the data dir
     extra = ["--initial-peers", *args.initial_peers] + (["--device", args.device] if args.device else [])
     if args.rounds is not None:
         extra += ["--rounds", str(args.rounds)]
+    verb = "hosting" if manifest is not None else "joining"
     if not args.headless:  # in the background, with the dashboard attached
         from tui.control_client import ControlError
-        from tui.node_commands import start_background_node
+        from tui.node_commands import start_background_node, wait_for_address
 
-        print(f"starting a node for run {format_run_id(address.run_id)} in the background ...", file=sys.stderr,
-              flush=True)
+        print(f"starting a node {verb} {what} in the background ...", file=sys.stderr, flush=True)
         try:
-            control = start_background_node(str(address), identity=identity, data_dir=data_dir,
+            control = start_background_node(address, manifest=manifest, identity=identity, data_dir=data_dir,
                                             listen=args.listen, extra=extra)
+            if manifest is not None:
+                _say_address(wait_for_address(control))
         except ControlError as e:
             return _fail(str(e))
         return open_dashboard(control, start_screen="dashboard")
-    cmd = [sys.executable, "-m", "peer.node", "--address", str(address), "--identity", str(identity),
-           "--data-dir", str(data_dir), "--listen", args.listen, *extra]
+    source = ["--manifest", str(manifest)] if manifest is not None else ["--address", address]
+    cmd = module_command("peer.node", *source, "--identity", str(Path(identity).resolve()),
+                         "--data-dir", str(Path(data_dir).resolve()), "--listen", args.listen, *extra)
     if args.log_level:
         cmd += ["--log-level", args.log_level]
-    print(f"joining run {format_run_id(address.run_id)}; checkpoints in {data_dir}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    print(f"{verb} {what}; checkpoints in {data_dir}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=child_env(),
+                            cwd=child_cwd())
     assert proc.stdout is not None
     try:
         for line in proc.stdout:
@@ -191,13 +228,18 @@ def cmd_join(args: argparse.Namespace) -> int:
             if ev.get("event") == "summary":
                 ev.pop("event")
                 print(json.dumps(ev), flush=True)
-            else:
-                _progress("", ev)
+                continue
+            _progress("", ev)
+            if ev.get("event") == "listening" and manifest is not None:
+                _say_address(ev["address"])
         return proc.wait()
     except KeyboardInterrupt:  # the node got the same Ctrl+C and is finishing its step
-        print("swarmstream: stopping the node ...", file=sys.stderr, flush=True)
+        print("swarmstream: stopping the node (Ctrl+C again to quit at once) ...", file=sys.stderr, flush=True)
         try:
-            return proc.wait(30)
+            return proc.wait(60)
+        except KeyboardInterrupt:
+            proc.wait(10)  # the node got that one too and exits at once
+            return 130
         except subprocess.TimeoutExpired:
             proc.kill()
             return 130
@@ -261,6 +303,24 @@ def add_swarm_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--identity", type=Path, help="key file (default: your swarmstream identity)")
     p.add_argument("--data-dir", type=Path, help="checkpoint folder (default: your swarmstream data dir)")
     p.set_defaults(func=cmd_join)
+
+    p = sub.add_parser("host", help="host a run from its manifest file; prints the address others join with",
+                       description="Host a run: start a node for the run in MANIFEST (from `swarmstream run new`), "
+                                   "print the address others paste into `swarmstream join`, and train with "
+                                   "whoever joins. The node runs in the background with the dashboard "
+                                   "attached, or in the foreground with --headless (Ctrl+C finishes cleanly).")
+    p.add_argument("manifest", type=Path, help="the run's signed manifest file (.swarmrun)")
+    p.add_argument("--headless", action="store_true", help="no dashboard, progress lines only")
+    p.add_argument("--rounds", type=int, help="stop after R rounds of every fragment")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR",
+                   help="peers of the run to connect to as well (other hosts)")
+    p.add_argument("--listen", default=f"/ip4/0.0.0.0/tcp/{HOST_PORT}",
+                   help="listen multiaddr; a fixed port keeps the address valid across restarts "
+                        "(default %(default)s)")
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:N, mps (default: your settings)")
+    p.add_argument("--identity", type=Path, help="key file (default: your swarmstream identity)")
+    p.add_argument("--data-dir", type=Path, help="checkpoint folder (default: your swarmstream data dir)")
+    p.set_defaults(func=cmd_host)
 
     p = sub.add_parser("runs", help="list the runs advertised in the swarm")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")

@@ -220,7 +220,8 @@ def test_a_node_that_goes_away_is_shown_and_the_dashboard_keeps_running(sock):
 def test_first_run_explains_and_starts_only_when_confirmed(sock):
     async def go():
         with FakeNode(sock, state="paused", pause_reason="waiting for you to confirm in the dashboard") as node:
-            node.fields["settings_toml"] = render_settings(Settings())  # confirmed = false
+            node.settings = Settings()  # confirmed = false
+            node.fields["settings_toml"] = render_settings(node.settings)
             app = make_app(sock, data_dir="/home/v/.local/share/swarmstream")
             async with app.run_test(size=(130, 42)) as pilot:
                 await dialog(pilot, app, "first-run")
@@ -228,9 +229,30 @@ def test_first_run_explains_and_starts_only_when_confirmed(sock):
                 assert "paused until you say so" in text and "/home/v/.local/share/swarmstream" in text
                 assert "no cap" in text
                 await pilot.click("#start")
-                await until(pilot, lambda: len(node.commands) == 2, "confirm + resume")
-                assert isinstance(node.commands[0], UpdateSettings) and isinstance(node.commands[1], ResumeTraining)
-                assert parse_settings(node.commands[0].settings_toml).client.confirmed
+                # one command: the node records the go-ahead in its settings and starts
+                await until(pilot, lambda: app.model.status and app.model.status.state == "training", "the start")
+                assert [type(c) for c in node.commands] == [ResumeTraining]
+                assert node.settings.client.confirmed
+
+    run(go())
+
+
+def test_a_failed_first_run_confirm_asks_again(sock):
+    """The go-ahead cannot be lost: if the node refuses it once, the dialog comes back."""
+    async def go():
+        with FakeNode(sock, state="paused", pause_reason="waiting for you to confirm in the dashboard") as node:
+            node.settings = Settings()
+            node.fields["settings_toml"] = render_settings(node.settings)
+            node.refuse_once[ResumeTraining] = "the node is starting; try again"
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                await dialog(pilot, app, "first-run")
+                await pilot.click("#start")
+                await until(pilot, lambda: len(node.commands) == 1, "the refused go-ahead")  # sent after the dialog closed
+                await dialog(pilot, app, "first-run")  # asked again
+                await pilot.click("#start")
+                await until(pilot, lambda: app.model.status and app.model.status.state == "training", "the start")
+                assert node.settings.client.confirmed and len(node.commands) == 2
 
     run(go())
 

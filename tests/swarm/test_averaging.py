@@ -151,7 +151,7 @@ def swarm(tmp_path):
 
     def start(n: int, max_frame_bytes: int = 64 << 20) -> list[Peer]:
         new = []
-        for i in range(n):
+        for _i in range(n):
             cmd, out = CTX.Queue(), CTX.Queue()
             initial = peers[0].maddrs if peers else []
             proc = CTX.Process(target=peer_main, args=(str(tmp_path / f"peer{len(peers)}.key"), initial,

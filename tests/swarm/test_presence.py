@@ -21,7 +21,7 @@ CTX = mp.get_context("spawn")
 def procs():
     started = []
     yield started
-    for p, stop in started:
+    for _, stop in started:
         stop.set()
     for p, _ in started:
         p.join(15)

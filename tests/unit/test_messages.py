@@ -357,7 +357,7 @@ def status_reported(**change) -> StatusReported:
         peers=1, rounds_done=0, upload_bps=0.0, download_bps=0.0, uptime_s=1.0, device="cpu", reachability="direct",
         inner_step_s=0.25, progress=None, progress_label="", settings_path="", settings_toml="",
         tokens_contributed=0, fragments_contributed=0, fragments_alone=0, rounds_joined=0, steps_dropped=0,
-        total_steps=2000)
+        join_address="swarmstream:" + "a" * 32 + "@/ip4/10.0.0.1/tcp/4001", total_steps=2000)
     return StatusReported(**{**fields, **change})
 
 
@@ -369,6 +369,9 @@ def test_a_status_from_an_older_node_without_the_newer_fields_decodes_with_their
     old = msgpack.packb(array[:at], use_bin_type=True)  # what a node of the version before it sends
     back = decode(old, expect=StatusReported)
     assert back == dataclasses.replace(new, total_steps=0)
+    at = 2 + [f.name for f in dataclasses.fields(StatusReported)].index("join_address")
+    older = msgpack.packb(array[:at], use_bin_type=True)  # and one from before join_address
+    assert decode(older, expect=StatusReported) == dataclasses.replace(new, join_address="", total_steps=0)
 
 
 def test_the_defaulted_tail_is_still_strict():

@@ -21,13 +21,7 @@ from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
 
 from protocol.messages import Message
-from protocol.messages_control import (
-    FinishAndStop,
-    PauseTraining,
-    ResumeTraining,
-    UpdateSettings,
-)
-from protocol.settings import render_settings
+from protocol.messages_control import FinishAndStop, PauseTraining, ResumeTraining
 from tui.control_client import ControlConnection, ControlError
 from tui.dashboard.model import DashboardModel
 from tui.dashboard.screens import (
@@ -176,13 +170,17 @@ class SwarmstreamApp(App):
         self._first_run_asked = True
         text = first_run_text(self.model, self.data_dir or "(the node's data dir)")
 
-        async def answer(choice: str | None) -> None:
+        async def start() -> None:
+            # one command: the node saves client.confirmed = true and starts; if it fails, the
+            # dialog comes back at the next status (the node still waits for the go-ahead)
+            if not await self.command(ResumeTraining):
+                self._first_run_asked = False
+
+        def answer(choice: str | None) -> None:
             if choice != "start":
                 self.notify("the node stays paused; press p when you are ready", title="not now")
                 return
-            confirmed = (self.model.settings or s).replace(client_confirmed=True)
-            if await self.command(UpdateSettings, settings_toml=render_settings(confirmed)):
-                await self.command(ResumeTraining)
+            self.run_worker(start(), group="first-run")  # after the dialog has gone, not inside its dismissal
 
         self.push_screen(Choice(text, [("start", "Start contributing"), ("later", "Not now")], "first-run"), answer)
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATE_STYLE = {"training": "bold green", "averaging": "bold cyan", "syncing": "bold yellow",
-               "paused": "bold magenta", "finishing": "bold yellow", "leaving": "bold red", "joining": "yellow"}
+               "paused": "bold magenta", "pausing": "magenta", "finishing": "bold yellow", "leaving": "bold red", "joining": "yellow"}
 
 
 class ViewScreen(Screen):
@@ -325,7 +325,7 @@ class SettingsScreen(ViewScreen):
         """The form as Settings; raises ConfigError naming the first bad field."""
         base = self.ss.model.settings or Settings()
         changes = {}
-        for section, key, label, kind in FIELDS:
+        for section, key, _label, kind in FIELDS:
             if kind == "bool":
                 changes[f"{section}_{key}"] = self.query_one(f"#{section}-{key}", Switch).value
                 continue

@@ -1,0 +1,216 @@
+"""Hosting and joining a run with the installed ``swarmstream`` command, as two volunteers on
+two machines would (each its own SWARMSTREAM_HOME: identity, settings, control socket): run new,
+host, join, status, pause, resume, stop. Plus the one-line errors of a join that cannot work."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+
+LISTEN = ["--listen", "/ip4/127.0.0.1/tcp/0"]
+FAST = ["--preset", "tiny", "-H", "20", "--matchmaking-timeout", "5", "--allreduce-timeout", "20",
+        "--heartbeat-interval", "3", "--heartbeat-ttl", "10"]
+
+
+def script() -> str:
+    found = shutil.which("swarmstream", path=str(Path(sys.executable).parent))
+    assert found, f"no swarmstream console script beside {sys.executable}; install the package"
+    return found
+
+
+def env_of(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SWARMSTREAM_", "XDG_"))}
+    return dict(env, SWARMSTREAM_HOME=str(home), OMP_NUM_THREADS="1")
+
+
+def swarmstream(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([script(), *args], capture_output=True, text=True, env=env_of(home), cwd=home,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+class Running:
+    """A long-running ``swarmstream`` command; its stderr lines, read as they come."""
+
+    def __init__(self, home: Path, *args: str):
+        self.proc = subprocess.Popen([script(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=env_of(home), cwd=home, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.lines: list[str] = []
+        self.cond = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self.cond:
+                self.lines.append(line.rstrip("\n"))
+                self.cond.notify_all()
+        with self.cond:
+            self.lines.append("<exited>")
+            self.cond.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            seen = 0
+            while True:
+                for line in self.lines[seen:]:
+                    if m := rx.search(line):
+                        return m
+                seen = len(self.lines)
+                if "<exited>" in self.lines or time.monotonic() > deadline:
+                    raise AssertionError(f"no line matching {pattern!r}; last lines: {self.lines[-8:]}")
+                self.cond.wait(max(0.1, deadline - time.monotonic()))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the command, its node and the node's daemon
+        self.proc.wait()
+
+
+@pytest.fixture
+def running():
+    started: list[Running] = []
+
+    def start(home: Path, *args: str) -> Running:
+        r = Running(home, *args)
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.kill()
+
+
+def status(home: Path) -> dict:
+    out = swarmstream(home, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_status(home: Path, cond, what: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while not cond(st := status(home)):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}; status {st}"
+        time.sleep(0.5)
+    return st
+
+
+def one_line_error(out: subprocess.CompletedProcess) -> str:
+    lines = [line for line in out.stderr.splitlines() if line.startswith("swarmstream: error:")]
+    assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    return lines[0]
+
+
+def test_host_join_status_pause_resume_stop_with_two_identities(tmp_path, running):
+    host_home, joiner_home = tmp_path / "host", tmp_path / "joiner"
+    host_home.mkdir()
+    joiner_home.mkdir()
+    new = swarmstream(host_home, "run", "new", "--name", "two machines", *FAST, "--out", "run.swarmrun")
+    assert new.returncode == 0, new.stderr
+    assert "swarmstream host run.swarmrun" in new.stdout  # run new says what to do next
+
+    host = running(host_home, "host", "run.swarmrun", "--headless", *LISTEN)
+    address = host.wait_for(r"swarmstream join '(swarmstream:[^']+)'", timeout=120).group(1)
+
+    # a run ID that nobody serves, through the same peer: refused in one line
+    other = "swarmstream:" + "a" * 32 + address[address.index("@"):]
+    err = one_line_error(swarmstream(joiner_home, "join", other, "--headless", *LISTEN))
+    assert "no peer holds the manifest" in err
+
+    joiner = running(joiner_home, "join", address, "--headless", *LISTEN)
+    joiner.wait_for(r"fragment \d round +\d+ .* ok$", timeout=180)  # averaged with the host
+    st = status(joiner_home)
+    assert st["peers"] == 2 and st["state"] in ("training", "averaging") and st["join_address"]
+
+    paused = swarmstream(joiner_home, "pause")
+    assert paused.returncode == 0 and paused.stdout.startswith("paused"), paused.stdout + paused.stderr
+    assert status(joiner_home)["state"] == "paused"  # pause returned only once the node had paused
+    resumed = swarmstream(joiner_home, "resume")
+    assert resumed.returncode == 0 and "resuming" in resumed.stdout
+    wait_status(joiner_home, lambda s: s["state"] != "paused", "the resume")
+
+    for home in (joiner_home, host_home):
+        stop = swarmstream(home, "stop", "--wait", timeout=180)
+        assert stop.returncode == 0 and stop.stdout.strip().endswith("stopped"), stop.stderr
+    for proc in (joiner, host):
+        assert proc.proc.wait(60) == 0, proc.lines[-5:]
+        summary = json.loads(proc.proc.stdout.read().strip().splitlines()[-1])
+        assert summary["syncs"] > summary["syncs_alone"] and summary["heldout_loss"] > 0
+
+
+def test_a_join_that_cannot_work_says_why_in_one_line(tmp_path):
+    home = tmp_path / "v"
+    home.mkdir()
+    address = "swarmstream:" + "b" * 32 + "@/ip4/127.0.0.1/tcp/9/p2p/12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA"
+    # an identity path that is a folder, and a key file that is not a key
+    (home / "keydir").mkdir()
+    err = one_line_error(swarmstream(home, "join", address, "--headless", "--identity", "keydir", *LISTEN))
+    assert "not a regular file" in err
+    (home / "bad.key").write_bytes(b"not a key")
+    (home / "bad.key").chmod(0o600)
+    err = one_line_error(swarmstream(home, "join", address, "--headless", "--identity", "bad.key", *LISTEN))
+    assert "not a usable swarmstream key" in err
+    # nobody listens at the bootstrap address
+    err = one_line_error(swarmstream(home, "join", address, "--headless", *LISTEN))
+    assert "bootstrap peers" in err
+    # a manifest file that is not one
+    (home / "junk.swarmrun").write_bytes(b"\x00" * 100)
+    out = swarmstream(home, "host", "junk.swarmrun", "--headless", *LISTEN)
+    assert "junk.swarmrun" in one_line_error(out)
+
+
+def test_a_second_ctrl_c_stops_the_node_at_once_in_one_line(tmp_path, running):
+    home = tmp_path / "v"
+    home.mkdir()
+    assert swarmstream(home, "run", "new", "--name", "ctrl-c", *FAST, "--out", "r.swarmrun").returncode == 0
+    host = running(home, "host", "r.swarmrun", "--headless", *LISTEN)
+    host.wait_for(r"fragment \d round", timeout=180)  # training
+    os.killpg(host.proc.pid, signal.SIGINT)  # as a terminal's Ctrl+C: to the command and its node
+    host.wait_for(r"stopping after this step", timeout=60)  # the node heard the first
+    os.killpg(host.proc.pid, signal.SIGINT)
+    assert host.proc.wait(60) == 130
+    text = "\n".join(host.lines)
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+
+
+def test_a_corrupt_checkpoint_is_refused_in_one_line_and_kept(tmp_path):
+    """step = -5 in the only checkpoint: the node says so in one line (exit 2) and leaves the
+    folder as it was, for the volunteer to inspect or move aside."""
+    import torch
+
+    from peer.checkpoint import save_checkpoint
+    from peer.data import ShardSampler
+    from peer.worker import Worker
+    from protocol.manifest import open_manifest
+
+    home = tmp_path / "v"
+    home.mkdir()
+    assert swarmstream(home, "run", "new", "--name", "ckpt", *FAST, "--out", "r.swarmrun").returncode == 0
+    signed = open_manifest((home / "r.swarmrun").read_bytes())
+    train = signed.manifest.train
+    worker = Worker(train)
+    sampler = ShardSampler(torch.arange(10_000) % 256, train.model.seq_len, train.inner.batch_size, 0, b"k")
+    ckpt = home / "runs" / signed.run_id_text / "checkpoint"
+    save_checkpoint(ckpt, worker, sampler, run_id=signed.run_id, rounds=[0] * train.sync.fragments)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps(dict(meta, step=-5)))
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+
+    out = swarmstream(home, "host", "r.swarmrun", "--headless", "--data-dir", "runs", *LISTEN)
+    err = one_line_error(out)
+    assert "checkpoint" in err and "step" in err, err
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
