@@ -7,13 +7,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from peer.demo import Demo
+from peer.launch import child_cwd, child_env, module_command
 from protocol.settings import parse_settings
 from tui.cli import main as cli_main
 from tui.dashboard.app import SwarmstreamApp
@@ -139,8 +139,9 @@ def test_the_demo_dashboard_shows_the_nodes_log_its_progress_and_its_run(demos):
             await until(pilot, lambda: re.search(r"step [\d,]+ of 2,000 \(\d+%\) · ETA \d", str(label.render())),
                         "the progress row")
             assert 0 < app.screen.query_one("#target-bar").progress < 1
-            status = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tui.cli", "status", "--control",
-                                                              str(demo.control_path(0))], capture_output=True, text=True)
+            status = await asyncio.to_thread(  # `swarmstream status` from another terminal
+                subprocess.run, module_command("tui.cli", "status", "--control", str(demo.control_path(0))),
+                capture_output=True, text=True, env=child_env(), cwd=child_cwd())
             assert re.search(r"^target    step [\d,]+ of 2,000 \(\d+%\) · ETA \d", status.stdout, re.M), status
 
             # the node's INFO lines reach the Log screen
