@@ -69,6 +69,8 @@ class Demo:
         self.errors: dict[int, str] = {}
         self._listening = threading.Event()
         self._first_maddrs: list[str] = []
+        self.bootstrap: list[str] = []
+        """Peer 0's multiaddrs once started: a way into the demo's swarm (listing its run, joining)."""
 
     def _spawn(self, i: int, source: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
         # N peers share the cores: one torch thread each
@@ -129,7 +131,8 @@ class Demo:
         self._spawn(0, ["--manifest", str(manifest_path)], self.envs.get(0))
         if not self._listening.wait(90) or not self._first_maddrs:
             raise DemoError(self.errors.get(0, f"peer 0 did not start; see {self.dir / 'peer0.log'}"))
-        self.address = str(RunAddress(run_id, tuple(self._first_maddrs[:1])))
+        self.bootstrap = list(self._first_maddrs)
+        self.address = str(RunAddress(run_id, tuple(self.bootstrap[:1])))
         for i in range(1, self.peers):
             self._spawn(i, ["--address", self.address], self.envs.get(i))
 

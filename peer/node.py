@@ -324,7 +324,8 @@ class Node:
             fragments_contributed=c.fragments_contributed if c else 0,
             fragments_alone=c.fragments_alone if c else 0, rounds_joined=c.rounds_joined if c else 0,
             steps_dropped=c.steps_dropped if c else 0,
-            join_address=self.join_address() if self._maddrs else "")
+            join_address=self.join_address() if self._maddrs else "",
+            total_steps=self.signed.manifest.train.inner.total_steps if self.signed else 0)
 
     def _last_step(self) -> int:
         return self._paused_step if hasattr(self, "_paused_step") else 0

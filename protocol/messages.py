@@ -5,7 +5,14 @@ dataclass registered here with a tag. Its bytes are one msgpack array::
 
     [PROTOCOL_VERSION, tag, field_1, ..., field_n]
 
-in field order. A message with a tensor payload (``PushSlice``, ``StateChunk``, ...) keeps the
+in field order. A type may end with fields that have defaults, and a sender may leave off
+any number of its last defaulted fields: so a field added at the end with a default is read
+from an older sender (the control socket's ``StatusReported`` grows this way, and a new
+dashboard reads an older node). Such a message decoded from a shorter array re-encodes
+longer, which is harmless because signatures and run IDs are computed over the bytes as
+received; types with a payload take no defaults.
+
+A message with a tensor payload (``PushSlice``, ``StateChunk``, ...) keeps the
 payload as its *last* field, always written as ``bin32``; the decoder does not copy it but
 returns a ``memoryview`` into the input, and ``encode_parts`` returns it without copying, so a
 64 MB slice is copied at most once on its way to the socket and never on the way in.
@@ -40,7 +47,8 @@ from protocol.messages_rules import (  # noqa: F401  (re-exported: message modul
 )
 
 PROTOCOL_VERSION = 1
-"""Bumped on any change to a message's fields or meaning; peers on other versions are refused."""
+"""Bumped on any change to a message's fields or meaning (except a new last field with a
+default, which older senders may leave off); peers on other versions are refused."""
 
 MAX_HEAD_BYTES = 1 << 20
 """Largest encoding of a message without its payload."""
@@ -190,6 +198,8 @@ class _Schema:
     rules: tuple[Rule, ...]
     has_payload: bool
     max_size: int
+    required: int
+    """Fields a sender must write; the rest (a tail with defaults) may be left off."""
 
 
 _BY_TAG: dict[int, _Schema] = {}
@@ -204,8 +214,14 @@ def message(tag: Tag, *, max_size: int | None = None) -> typing.Callable[[type],
         if not (dataclasses.is_dataclass(cls) and issubclass(cls, Message)):
             raise TypeError(f"{cls.__name__} must be a dataclass subclass of Message")
         hints = typing.get_type_hints(cls, include_extras=True)
-        names, rules = [], []
-        for f in dataclasses.fields(cls):
+        names, rules, required = [], [], None
+        for i, f in enumerate(dataclasses.fields(cls)):
+            defaulted = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            if defaulted and required is None:
+                required = i
+            elif not defaulted and required is not None:
+                raise TypeError(f"{cls.__name__}.{f.name} has no default but follows a field with one; "
+                                "fields with defaults go at the end")
             found = [m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, Rule)]
             if len(found) != 1:
                 raise TypeError(f"{cls.__name__}.{f.name} needs exactly one Rule in Annotated[...]")
@@ -214,12 +230,15 @@ def message(tag: Tag, *, max_size: int | None = None) -> typing.Callable[[type],
         payloads = [i for i, r in enumerate(rules) if isinstance(r, Payload)]
         if payloads not in ([], [len(rules) - 1]):
             raise TypeError(f"{cls.__name__}: a Payload must be the one and last field")
+        if payloads and required is not None:
+            raise TypeError(f"{cls.__name__}: a message with a payload cannot have fields with defaults")
         if int(tag) in _BY_TAG:
             raise TypeError(f"tag {tag!r} is already used by {_BY_TAG[int(tag)].cls.__name__}")
         size = max_size or (MAX_FRAME_BYTES if payloads else SMALL_MESSAGE_BYTES)
         if size > (MAX_FRAME_BYTES if payloads else MAX_HEAD_BYTES):
             raise TypeError(f"{cls.__name__}: max_size {size} is over the decoder's limits")
-        schema = _Schema(cls, Tag(tag), tuple(names), tuple(rules), bool(payloads), size)
+        schema = _Schema(cls, Tag(tag), tuple(names), tuple(rules), bool(payloads), size,
+                         len(names) if required is None else required)
         _BY_TAG[int(tag)] = _BY_CLASS[cls] = schema
         cls.TAG, cls.MAX_SIZE, cls.HAS_PAYLOAD = schema.tag, size, schema.has_payload
         return cls
@@ -349,11 +368,14 @@ def decode_split(data: Any, *, max_size: int = MAX_FRAME_BYTES) -> tuple[Message
         raise DecodeError(f"unknown message type {describe(tag)}")
     if n > schema.max_size:
         raise MessageTooLarge(f"{schema.cls.__name__} of {n} bytes is over its {schema.max_size}-byte limit")
-    if count != 2 + len(schema.names):
-        raise DecodeError(f"{schema.cls.__name__} has {len(schema.names)} fields, got {count - 2}")
+    if not schema.required <= count - 2 <= len(schema.names):
+        want = (f"{len(schema.names)}" if schema.required == len(schema.names) else
+                f"{schema.required} to {len(schema.names)}")
+        raise DecodeError(f"{schema.cls.__name__} has {want} fields, got {count - 2}")
+    names = schema.names[:count - 2]  # a sender of an older version leaves the defaulted tail off
     head_limit = min(n, MAX_HEAD_BYTES) if schema.has_payload else n
     values = []
-    for name in schema.names[:-1] if schema.has_payload else schema.names:
+    for name in names[:-1] if schema.has_payload else names:
         while True:
             try:
                 values.append(unpacker.unpack())
@@ -378,7 +400,7 @@ def decode_split(data: Any, *, max_size: int = MAX_FRAME_BYTES) -> tuple[Message
     if end != n:
         raise DecodeError(f"{n - end} trailing bytes after {schema.cls.__name__}")
     try:
-        msg = schema.cls(**dict(zip(schema.names, values)))
+        msg = schema.cls(**dict(zip(names, values)))
     except InvalidMessage as e:
         raise DecodeError(str(e)) from None
     return msg, head_len

@@ -161,9 +161,14 @@ class StatusReported(Message):
     rounds_joined: U64
     steps_dropped: U64
     """Inner steps trained and then dropped because the run moved on (we were told so)."""
+    # Fields added later have defaults, so a dashboard reads a node that predates them
+    # (protocol.messages: a sender may leave off the defaulted tail). New fields go below.
     join_address: Annotated[str, Str(max_len=4096)] = ""
     """What others paste into ``swarmstream join`` to join this run through this node ("" while
     the node has not joined a run yet)."""
+    total_steps: U64 = 0
+    """The run's step target (its manifest's ``train.inner.total_steps``): with ``step`` and
+    ``inner_step_s`` it gives the progress and an ETA. 0: unknown (no run yet, or an older node)."""
 
 
 @message(Tag.STATE_CHANGED)

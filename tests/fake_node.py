@@ -33,7 +33,7 @@ class FakeNode:
             rounds_done=6, upload_bps=1e5, download_bps=2e5, uptime_s=60.0, device="cpu", reachability="direct",
             inner_step_s=0.25, progress=None, progress_label="", settings_path="/tmp/settings.toml",
             settings_toml=render_settings(self.settings), tokens_contributed=100000, fragments_contributed=12,
-            fragments_alone=0, rounds_joined=6, steps_dropped=0)
+            fragments_alone=0, rounds_joined=6, steps_dropped=0, total_steps=2000)
         self.fields.update(status)
         self.snapshot: list[Message] = []
         self.server = ControlServer(socket_path, self)

@@ -20,6 +20,7 @@ from protocol.messages_control import (
 )
 from protocol.settings import parse_settings
 from tui.control_client import ControlConnection, ControlError, call
+from tui.run_progress import run_progress
 
 START_TIMEOUT_S = 120.0  # a first start loads torch and the corpus, and meets the swarm
 
@@ -44,12 +45,14 @@ def format_status(st: StatusReported) -> str:
     state = st.state + (f" ({st.pause_reason})" if st.pause_reason else "")
     loss = " · ".join(f"{name} {v:.4f}" for name, v in (("train", st.loss), ("held-out", st.heldout_loss))
                       if v is not None) or "not measured yet"
+    target = run_progress(st)
     lines = [
         f"node      {st.peer_id}",
         f"state     {state}" + (f" · {st.progress_label} {st.progress:.0%}" if st.progress is not None else ""),
         f"run       {st.run_name or '-'} ({st.run_id.hex()[:16] or 'none'})",
         f"progress  step {st.step:,} · {st.rounds_done} rounds · {st.tokens_per_s:,.0f} tokens/s · "
         f"inner step {st.inner_step_s * 1e3:.0f} ms · device {st.device or '-'}",
+        *([f"target    {target.text(paused=st.state == 'paused')}"] if target else []),
         f"loss      {loss}",
         f"swarm     {st.peers} live peers · reachability {st.reachability}",
         f"traffic   up {_rate(st.upload_bps)} (cap {caps[0]}) · down {_rate(st.download_bps)} (cap {caps[1]})",

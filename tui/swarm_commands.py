@@ -73,7 +73,7 @@ def _demo_dashboard(args: argparse.Namespace) -> int:
           "one is up ...", file=sys.stderr, flush=True)
     try:
         demo.start()
-        code = open_dashboard(demo.control_path(0), start_screen="dashboard", quit_asks=False)
+        code = int(demo_dashboard(demo).run() or 0)
     except DemoError as e:
         demo.stop()
         return _fail(str(e))
@@ -86,13 +86,24 @@ def _demo_dashboard(args: argparse.Namespace) -> int:
     return code or (0 if not summary["errors"] else 1)
 
 
-def open_dashboard(control: Path | None = None, **kwargs) -> int:
-    """Run the dashboard against the node at ``control`` (default: the volunteer's node). With
-    no node there, it opens on the Runs screen, from which joining starts one."""
-    from peer import paths
-    from tui.dashboard import run_dashboard
+def demo_dashboard(demo):
+    """The dashboard of a started demo's peer 0. Its Runs screen lists the runs of the demo's
+    own swarm (through peer 0's multiaddrs), not of the one $SWARMSTREAM_BOOTSTRAP leads to;
+    quitting it asks nothing, since the demo stops its peers when the dashboard closes."""
+    return dashboard_app(demo.control_path(0), bootstrap=demo.bootstrap, start_screen="dashboard",
+                         quit_asks=False)
 
-    bootstrap = os.environ.get("SWARMSTREAM_BOOTSTRAP", "").split()
+
+def dashboard_app(control: Path | None = None, *, bootstrap: list[str] | None = None, **kwargs):
+    """The dashboard (a ``SwarmstreamApp``) for the node at ``control`` (default: the
+    volunteer's node). Its Runs screen lists the runs of the swarm that ``bootstrap`` leads
+    to (default: the multiaddrs in $SWARMSTREAM_BOOTSTRAP; none: listing is unavailable), and
+    joining one there starts a node in the background."""
+    from peer import paths
+    from tui.dashboard import SwarmstreamApp
+
+    if bootstrap is None:
+        bootstrap = os.environ.get("SWARMSTREAM_BOOTSTRAP", "").split()
 
     async def start_node(address: str) -> None:
         import asyncio
@@ -102,8 +113,14 @@ def open_dashboard(control: Path | None = None, **kwargs) -> int:
         await asyncio.to_thread(start_background_node, address, control=control)
 
     control = control or paths.control_path()
-    return run_dashboard(control, list_runs=runs_lister(bootstrap) if bootstrap else None, start_node=start_node,
-                         data_dir=str(paths.data_dir()), **kwargs)
+    return SwarmstreamApp(control, list_runs=runs_lister(bootstrap) if bootstrap else None, start_node=start_node,
+                          data_dir=str(paths.data_dir()), **kwargs)
+
+
+def open_dashboard(control: Path | None = None, **kwargs) -> int:
+    """Run the dashboard (``dashboard_app``) in this terminal until the volunteer quits. With
+    no node at ``control``, it opens on the Runs screen, from which joining starts one."""
+    return int(dashboard_app(control, **kwargs).run() or 0)
 
 
 def runs_lister(bootstrap: list[str]):

@@ -21,6 +21,7 @@ from protocol.messages_control import (
 )
 from protocol.settings import ClientSettings, Settings, parse_settings, render_settings
 from tests.fake_node import PEER_ID, FakeNode
+from tui.cli import main as cli_main
 from tui.dashboard.app import SwarmstreamApp
 from tui.dashboard.screens import FIELDS
 
@@ -176,10 +177,23 @@ def test_log_lines_reach_the_log_screen(sock):
             async with app.run_test(size=(130, 42)) as pilot:
                 await until(pilot, lambda: app.model.node_up, "the first status")
                 node.emit(LogRecorded(at=NOW, level="WARNING", logger="peer.allreduce", text="dropped member x"))
+                node.emit(LogRecorded(at=NOW, level="INFO", logger="peer.node", text="fragment synced fragment=1"))
+                await until(pilot, lambda: app.model.log_total == 2, "the lines in the model")
                 await pilot.press("l")
                 await until(pilot, lambda: app.current_mode == "log", "the log screen")
                 log = app.screen.query_one("#log")
-                await until(pilot, lambda: any("dropped member x" in str(line) for line in log.lines), "the line")
+                # lines that came while another screen was shown, then one that comes now
+                node.emit(LogRecorded(at=NOW, level="INFO", logger="peer.matchmaking", text="batch fragment=0"))
+                await until(pilot, lambda: len(log.lines) == 3, "three lines")
+                lines = [line.text for line in log.lines]
+                assert lines[0].endswith("WARNING peer.allreduce: dropped member x"), lines
+                assert lines[1].endswith("INFO    peer.node: fragment synced fragment=1"), lines
+                assert lines[2].endswith("INFO    peer.matchmaking: batch fragment=0"), lines
+                await pilot.press("d")
+                await pilot.press("l")  # a new visit shows them again, once each
+                await until(pilot, lambda: app.current_mode == "log", "the log screen again")
+                await pilot.pause(0.6)  # a redraw or more: it must not append the lines twice
+                assert len(app.screen.query_one("#log").lines) == 3
 
     run(go())
 
@@ -379,8 +393,96 @@ def test_runs_screen_without_listing_or_joining_says_so_and_r_refreshes(sock):
     run(go())
 
 
+def test_a_redraw_as_the_app_exits_does_not_crash(sock):
+    """The redraw timer can fire after the app has removed its screens on the way out; that
+    raised ScreenStackError through the app (seen when quitting)."""
+    async def go():
+        with FakeNode(sock):
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                await until(pilot, lambda: app.model.node_up, "the first status")
+            assert not app.screen_stack
+            app._redraw()  # what the timer calls
+
+    run(go())
+
+
 def test_the_settings_form_has_every_setting():
     """A key added to protocol/settings.py must get a field on the Settings screen."""
     want = {(section, key) for section, sub in Settings.__dataclass_fields__.items()
             for key in sub.default_factory.__dataclass_fields__}
     assert {(section, key) for section, key, _, _ in FIELDS} == want
+
+
+def test_swarmstream_status_shows_the_progress_of_a_node_over_its_socket(sock, capsys):
+    with FakeNode(sock, step=500, total_steps=2000, inner_step_s=0.1):
+        assert cli_main(["status", "--control", str(sock)]) == 0
+    assert "target    step 500 of 2,000 (25%) · ETA 2 min 30 s" in capsys.readouterr().out
+
+
+def test_the_dashboard_shows_progress_and_eta_and_follows_the_node(sock):
+    async def go():
+        with FakeNode(sock, step=120, total_steps=2000, inner_step_s=0.25) as node:
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                bar = app.screen.query_one("#target-bar")
+                row = app.screen.query_one("#target")
+                await until(pilot, lambda: row.display and bar.progress == 0.06, "the progress bar")
+                assert text_of(app, "#target-label") == "target  step 120 of 2,000 (6%) · ETA 7 min 50 s"
+                node.fields.update(step=1000, inner_step_s=0.5)
+                await until(pilot, lambda: bar.progress == 0.5, "the bar to move")
+                assert text_of(app, "#target-label") == "target  step 1,000 of 2,000 (50%) · ETA 8 min 20 s"
+                node.fields.update(state="paused", pause_reason="paused by you")
+                await until(pilot, lambda: "once resumed" in text_of(app, "#target-label"), "the paused ETA")
+                node.fields.update(state="training", pause_reason="", total_steps=0)  # an older node
+                await until(pilot, lambda: not row.display, "the row to hide")
+
+    run(go())
+
+
+def test_the_demo_dashboard_lists_runs_through_the_demos_own_peers(sock, monkeypatch):
+    """`swarmstream demo` knows its peers' multiaddrs: its Runs screen lists the demo's run
+    through them, while a plain dashboard needs $SWARMSTREAM_BOOTSTRAP. `swarmstream runs` is
+    faked here (tests/swarm/test_dashboard_node.py lists a real demo's run)."""
+    import json
+    from types import SimpleNamespace
+
+    from protocol.manifest import format_run_id, parse_run_address
+    from tui.swarm_commands import dashboard_app, demo_dashboard
+
+    maddr = f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER_ID}"
+    run_id = format_run_id(b"\x01" * 20)
+    commands: list[tuple] = []
+
+    class Listed:  # the `swarmstream runs --json` subprocess
+        returncode = 0
+
+        async def communicate(self):
+            return json.dumps([{"run_id": run_id, "name": "local demo", "params": 1234, "peers": 1,
+                                "step": 40}]).encode(), b""
+
+    async def exec_(*cmd, **kw):
+        commands.append(cmd)
+        return Listed()
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", exec_)
+    monkeypatch.delenv("SWARMSTREAM_BOOTSTRAP", raising=False)
+    monkeypatch.setenv("SWARMSTREAM_HOME", str(sock.parent))
+    assert dashboard_app(sock).list_runs is None  # "no bootstrap peers known"
+    demo = SimpleNamespace(control_path=lambda i: sock, bootstrap=[maddr])
+
+    async def go():
+        with FakeNode(sock):
+            app = demo_dashboard(demo)
+            assert app.start_screen == "dashboard" and not app.quit_asks
+            async with app.run_test(size=(130, 42)) as pilot:
+                await until(pilot, lambda: app.model.node_up, "the demo's peer 0")
+                await pilot.press("r")
+                await until(pilot, lambda: app.current_mode == "runs" and app.screen.query_one("#runs").row_count,
+                            "the listed run")
+                assert "local demo" in [str(c) for c in app.screen.query_one("#runs").get_row_at(0)]
+                assert "1 run" in text_of(app, "#runs-note")
+                assert commands[0][-2:] == ("--initial-peers", maddr)
+                assert parse_run_address(app.screen.addresses[0]).bootstrap == (maddr,)
+
+    run(go())

@@ -1,4 +1,7 @@
-"""DashboardModel on its own: how events and status snapshots fold into bounded series and tables."""
+"""DashboardModel on its own: how events and status snapshots fold into bounded series and tables;
+and the run's progress and ETA that the dashboard and `swarmstream status` show."""
+
+import pytest
 
 from protocol.messages_control import (
     FragmentSynced,
@@ -24,6 +27,8 @@ from tui.dashboard.model import (
     human_rate,
     short_peer,
 )
+from tui.node_commands import format_status
+from tui.run_progress import human_duration, run_progress
 
 OTHER = "12D3KooWGzNJhy6ehyTJDtk1ymd2PvvZ6rfpeDwNN8ekgyQCpQXP"
 
@@ -33,14 +38,14 @@ def peer(peer_id: str, tokens: int, last_seen_at: float = 100.0) -> PeerUpdated:
                        rounds_done=1, last_seen_at=last_seen_at)
 
 
-# the fields of a fresh node's status (StatusReported has no defaults)
+# the fields of a fresh node's status (all of them: only fields added later have defaults)
 FAKE_FIELDS = {
     "at": 100.0, "run_id": b"\x01" * 20, "run_name": "r", "peer_id": PEER_ID, "state": "training",
     "pause_reason": "", "step": 1, "tokens": 1, "tokens_per_s": 1.0, "loss": None, "heldout_loss": None, "peers": 1,
     "rounds_done": 0, "upload_bps": 0.0, "download_bps": 0.0, "uptime_s": 1.0, "device": "cpu",
     "reachability": "direct", "inner_step_s": 0.1, "progress": None, "progress_label": "",
     "settings_path": "/x.toml", "settings_toml": render_settings(Settings()), "tokens_contributed": 0,
-    "fragments_contributed": 0, "fragments_alone": 0, "rounds_joined": 0, "steps_dropped": 0,
+    "fragments_contributed": 0, "fragments_alone": 0, "rounds_joined": 0, "steps_dropped": 0, "total_steps": 1000,
 }
 
 
@@ -110,3 +115,39 @@ def test_formatting_helpers():
     assert human_bytes(512) == "512 B" and human_bytes(154_000) == "154.0 KB" and human_bytes(3e12) == "3000.0 GB"
     assert human_rate(2.5e6) == "2.50 Mbit/s" and human_rate(5e4) == "50.0 kbit/s"
     assert ago(3.2) == "3 s ago" and ago(-5) == "0 s ago" and ago(600) == "10 min ago" and ago(5400) == "1.5 h ago"
+
+
+# --- the run's progress toward its step target (issue 11) ------------------------------------
+
+
+def test_progress_and_eta_from_the_step_the_target_and_the_mean_step_time():
+    p = run_progress(status(step=120, total_steps=2000, inner_step_s=0.25))
+    assert (p.fraction, p.steps_left, p.eta_s) == (0.06, 1880, 470.0)
+    assert p.text() == "step 120 of 2,000 (6%) · ETA 7 min 50 s"
+    assert p.text(paused=True) == "step 120 of 2,000 (6%) · ETA 7 min 50 s once resumed"
+    # the percentage is floored: 100% means the target is reached
+    assert run_progress(status(step=1999, total_steps=2000, inner_step_s=0.5)).text() == \
+        "step 1,999 of 2,000 (99%) · ETA 1 s"
+    done = run_progress(status(step=2100, total_steps=2000, inner_step_s=0.5))
+    assert (done.fraction, done.steps_left, done.eta_s) == (1.0, 0, 0.0)
+    assert done.text() == "step 2,100 of 2,000: target reached"
+    # no step timed yet: no ETA rather than "0 s"
+    assert run_progress(status(step=0, total_steps=2000, inner_step_s=0.0)).text() == \
+        "step 0 of 2,000 (0%) · ETA after the first steps"
+    # a node older than total_steps, or not in a run yet, reports none
+    assert run_progress(status(total_steps=0)) is None
+
+
+@pytest.mark.parametrize("seconds, text", [(0.2, "1 s"), (45, "45 s"), (59.6, "1 min 0 s"), (470, "7 min 50 s"),
+                                           (3600, "1 h 0 min"), (12_000, "3 h 20 min"), (187_200, "2 d 4 h")])
+def test_durations_read_in_their_two_largest_units(seconds, text):
+    assert human_duration(seconds) == text
+
+
+def test_status_text_has_the_target_line_only_when_the_node_reports_one():
+    text = format_status(status(step=120, total_steps=2000, inner_step_s=0.25))
+    assert "target    step 120 of 2,000 (6%) · ETA 7 min 50 s" in text.splitlines()
+    assert "target" not in format_status(status(total_steps=0))
+    paused = format_status(status(state="paused", pause_reason="paused by you", step=120, total_steps=2000,
+                                  inner_step_s=0.25))
+    assert "ETA 7 min 50 s once resumed" in paused

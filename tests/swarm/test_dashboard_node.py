@@ -1,19 +1,25 @@
 """The dashboard against real nodes: a 2-peer demo swarm on 127.0.0.1 and a third node that
-the dashboard itself starts by joining the run from its Runs screen."""
+the dashboard itself starts by joining the run from its Runs screen; and the dashboard that
+`swarmstream demo` opens, on a one-peer demo."""
 
 import asyncio
 import json
 import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from peer.demo import Demo
+from peer.launch import child_cwd, child_env, module_command
 from protocol.manifest import open_manifest
 from protocol.settings import parse_settings
 from tui.cli import main as cli_main
 from tui.dashboard.app import SwarmstreamApp
 from tui.node_commands import start_background_node
-from tui.swarm_commands import runs_lister
+from tui.swarm_commands import demo_dashboard, runs_lister
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -145,3 +151,53 @@ def test_join_from_the_runs_screen_then_pause_resume_settings_and_finish(demos, 
 
     asyncio.run(go())
     assert os.path.exists(settings)
+
+
+def test_the_demo_dashboard_shows_the_nodes_log_its_progress_and_its_run(demos):
+    """Issue 11, found on a real dashboard: the Log screen stayed empty (the node's INFO lines
+    were never created), the demo's Runs screen knew no bootstrap peers, and the run's step
+    target showed nowhere."""
+    work = Path(tempfile.mkdtemp(prefix="ss-dd-", dir="/tmp"))
+    demo = Demo(1, rounds=None, workdir=work)
+    demos.append(demo)
+    demo.start()
+
+    async def go():
+        app = demo_dashboard(demo)  # what `swarmstream demo` opens
+        async with app.run_test(size=(130, 44)) as pilot:
+            await until(pilot, lambda: app.model.node_up and app.model.status.inner_step_s > 0, "a timed step")
+            # the step target of the demo's manifest, with an ETA, on the dashboard and in `status`
+            assert app.model.status.total_steps == 2000
+            label = app.screen.query_one("#target-label")
+            await until(pilot, lambda: re.search(r"step [\d,]+ of 2,000 \(\d+%\) · ETA \d", str(label.render())),
+                        "the progress row")
+            assert 0 < app.screen.query_one("#target-bar").progress < 1
+            status = await asyncio.to_thread(  # `swarmstream status` from another terminal
+                subprocess.run, module_command("tui.cli", "status", "--control", str(demo.control_path(0))),
+                capture_output=True, text=True, env=child_env(), cwd=child_cwd())
+            assert re.search(r"^target    step [\d,]+ of 2,000 \(\d+%\) · ETA \d", status.stdout, re.M), status
+
+            # the node's INFO lines reach the Log screen
+            await pilot.press("l")
+            await until(pilot, lambda: any(r.level == "INFO" and r.text.startswith("fragment synced")
+                                           for r in app.model.log), "an INFO line from the node")
+            log = app.screen.query_one("#log")
+            await until(pilot, lambda: any("INFO" in str(line) and "fragment synced" in str(line)
+                                           for line in log.lines), "the line on the Log screen")
+
+            # the Runs screen lists the demo's run through its own peers
+            await pilot.press("r")
+            await until(pilot, lambda: app.current_mode == "runs", "the runs screen")
+            table = app.screen.query_one("#runs")
+            for _ in range(30):  # the run is advertised at the peer's first heartbeats
+                await until(pilot, lambda: "looking" not in str(app.screen.query_one("#runs-note").render()),
+                            "the listing")
+                if table.row_count:
+                    break
+                app.screen.refresh_runs()
+            assert "local demo" in [str(c) for c in table.get_row_at(0)]
+
+    asyncio.run(go())
+    demo.stop()
+    # while the dashboard got INFO, the node's console (stderr, peer0.log) kept to warnings
+    assert not [line for line in (work / "peer0.log").read_text().splitlines() if " INFO " in line]

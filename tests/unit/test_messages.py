@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import tracemalloc
+from typing import Annotated
 
 import msgpack
 import pytest
@@ -20,6 +21,7 @@ from protocol.messages import (
     VersionMismatch, decode, decode_split, encode, encode_parts, message_types,
 )
 from protocol.messages_rules import Bool, Bytes, ConfigOf, Float, Int, Opt, Payload, Seq, Str
+from protocol.messages_control import StatusReported
 from protocol.messages_swarm import GroupFormed, Heartbeat, PushSlice, SliceAveraged, StateIndex
 
 fast = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -342,3 +344,65 @@ def test_manifests_with_absurd_models_are_rejected():
                             creator, 0.0], use_bin_type=True)
     with pytest.raises(DecodeError, match="n_layers"):
         decode(forged)
+
+
+# ---------------------------------------------------------------------------------------
+# Fields added later: a defaulted tail that an older sender leaves off.
+
+
+def status_reported(**change) -> StatusReported:
+    fields = dict(
+        request_id=7, at=1.7e9, run_id=b"r" * 20, run_name="demo", peer_id=Identity.from_seed(bytes(32)).peer_id,
+        state="training", pause_reason="", step=120, tokens=1, tokens_per_s=1.0, loss=None, heldout_loss=None,
+        peers=1, rounds_done=0, upload_bps=0.0, download_bps=0.0, uptime_s=1.0, device="cpu", reachability="direct",
+        inner_step_s=0.25, progress=None, progress_label="", settings_path="", settings_toml="",
+        tokens_contributed=0, fragments_contributed=0, fragments_alone=0, rounds_joined=0, steps_dropped=0,
+        join_address="swarmstream:" + "a" * 32 + "@/ip4/10.0.0.1/tcp/4001", total_steps=2000)
+    return StatusReported(**{**fields, **change})
+
+
+def test_a_status_from_an_older_node_without_the_newer_fields_decodes_with_their_defaults():
+    new = status_reported()
+    array = msgpack.unpackb(encode(new), use_list=True)
+    at = 2 + [f.name for f in dataclasses.fields(StatusReported)].index("total_steps")
+    assert array[at] == 2000
+    old = msgpack.packb(array[:at], use_bin_type=True)  # what a node of the version before it sends
+    back = decode(old, expect=StatusReported)
+    assert back == dataclasses.replace(new, total_steps=0)
+    at = 2 + [f.name for f in dataclasses.fields(StatusReported)].index("join_address")
+    older = msgpack.packb(array[:at], use_bin_type=True)  # and one from before join_address
+    assert decode(older, expect=StatusReported) == dataclasses.replace(new, join_address="", total_steps=0)
+
+
+def test_the_defaulted_tail_is_still_strict():
+    array = msgpack.unpackb(encode(status_reported()), use_list=True)
+    fields = dataclasses.fields(StatusReported)
+    n, required = len(fields), sum(f.default is dataclasses.MISSING for f in fields)
+    at = 2 + [f.name for f in fields].index("total_steps")
+    with pytest.raises(DecodeError, match=f"StatusReported has {required} to {n} fields, got {required - 1}"):
+        decode(msgpack.packb(array[:1 + required], use_bin_type=True))  # the last required field is missing
+    with pytest.raises(DecodeError, match=f"StatusReported has {required} to {n} fields, got {n + 1}"):
+        decode(msgpack.packb(array + [1], use_bin_type=True))
+    for bad in (-1, "2000", None, 1.5):
+        with pytest.raises(DecodeError, match="total_steps"):
+            decode(msgpack.packb(array[:at] + [bad] + array[at + 1:], use_bin_type=True))
+    with pytest.raises(DecodeError, match="GetStatus has 1 fields, got 0"):
+        decode(msgpack.packb([PROTOCOL_VERSION, int(Tag.GET_STATUS)]))  # no defaults: every field required
+
+
+def test_defaults_only_at_the_end_and_never_beside_a_payload():
+    from protocol.messages import message
+
+    with pytest.raises(TypeError, match="fields with defaults go at the end"):
+        @message(Tag.GET_STATUS)
+        @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+        class Gap(Message):
+            a: Annotated[int, Int(0, 9)] = 0
+            b: Annotated[int, Int(0, 9)]
+
+    with pytest.raises(TypeError, match="payload cannot have fields with defaults"):
+        @message(Tag.GET_STATUS)
+        @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+        class Tail(Message):
+            a: Annotated[int, Int(0, 9)] = 0
+            data: Annotated[bytes, Payload()] = b""

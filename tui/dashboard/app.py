@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import ClassVar
 
-from textual.app import App
+from textual.app import App, ScreenStackError
 from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
 
@@ -151,7 +151,10 @@ class SwarmstreamApp(App):
                 return False
 
     def _redraw(self) -> None:
-        screen = self.screen
+        try:
+            screen = self.screen
+        except ScreenStackError:  # the app is exiting: its screens go before its timers stop
+            return
         if hasattr(screen, "refresh_view") and screen.is_mounted:
             try:
                 screen.refresh_view(self.model)

@@ -34,6 +34,7 @@ from protocol.errors import ConfigError
 from protocol.manifest import InvalidAddress, parse_run_address
 from protocol.settings import Settings, render_settings
 from tui.dashboard.model import DashboardModel, ago, human_bytes, human_rate, short_peer
+from tui.run_progress import run_progress
 
 if TYPE_CHECKING:
     from tui.dashboard.app import SwarmstreamApp
@@ -64,6 +65,9 @@ class DashboardScreen(ViewScreen):
         with Grid(id="top"):
             yield Static(id="state", classes="panel")
             yield Static(id="credit", classes="panel")
+        with Horizontal(id="target"):
+            yield Label("", id="target-label")
+            yield ProgressBar(total=1.0, id="target-bar", show_percentage=False, show_eta=False)
         with Horizontal(id="middle"):
             with Vertical(id="losses", classes="panel"):
                 yield Label("train loss", id="train-label")
@@ -94,6 +98,7 @@ class DashboardScreen(ViewScreen):
         if st is None or not model.node_up:
             why = model.node_error or "connecting to the node ..."
             state.update(f"[bold red]no node[/]\n{why}\n\npress [b]r[/] for runs, [b]q[/] to quit")
+            self.query_one("#target", Horizontal).display = False
             self.sub_title = "not connected"
             return
         self.sub_title = f"{st.run_name} · {st.state}"
@@ -121,6 +126,12 @@ class DashboardScreen(ViewScreen):
             f"upload      {human_rate(st.upload_bps)} / {f'{up_cap:g} Mbit/s' if up_cap else 'no cap'}\n"
             f"download    {human_rate(st.download_bps)} / {f'{down_cap:g} Mbit/s' if down_cap else 'no cap'}\n"
             f"uptime      {st.uptime_s / 3600:.1f} h")
+        target = run_progress(st)
+        row = self.query_one("#target", Horizontal)
+        row.display = target is not None  # a node that reports no step target (older, or not in a run)
+        if target is not None:
+            self.query_one("#target-label", Label).update(f"[b]target[/]  {target.text(paused=model.paused)}")
+            self.query_one("#target-bar", ProgressBar).update(progress=target.fraction)
         self._plot("train", model.train, st.loss)
         self._plot("heldout", model.heldout, st.heldout_loss)
         bar = self.query_one("#progress", ProgressBar)
