@@ -184,7 +184,7 @@ def test_run_new_writes_a_signed_manifest_and_prints_its_id(tmp_path, capsys):
     assert (sync.inner_steps, sync.fragments, sync.overlap, sync.alpha, sync.codec) == (100, 4, 2, 0.5, "fp4")
     assert (m.train.inner.lr, m.train.outer.lr, m.train.data.seed, m.swarm.group_size) == (1e-3, 0.5, 7, 4)
     assert m.creator == Identity.from_libp2p(key.read_bytes()).public_key
-    assert opened.run_id_text in printed and f"swarmstream:{opened.run_id_text}@" in printed
+    assert opened.run_id_text in printed and f"swarmstream host {out}" in printed  # what to do next
     assert _cli(["run", "show", str(out), "--run-id", opened.run_id_text]) == 0
     assert "demo" in capsys.readouterr().out
 

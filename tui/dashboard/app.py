@@ -19,6 +19,7 @@ from typing import ClassVar
 from textual.app import App, ScreenStackError
 from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
+from textual.worker import Worker
 
 from protocol.messages import Message
 from protocol.messages_control import FinishAndStop, PauseTraining, ResumeTraining
@@ -68,7 +69,9 @@ class SwarmstreamApp(App):
         self.sent: list[Message] = []  # commands the node accepted (tests and the log read it)
         self._conn: ControlConnection | None = None
         self._lock = asyncio.Lock()
-        self._first_run_asked = False
+        self._first_run_declined = False  # "not now": p starts it later
+        self._first_run_answer: Worker | None = None  # the go-ahead on its way to the node
+        self._first_run_dialog: Choice | None = None
 
     async def on_mount(self) -> None:
         start = self.start_screen
@@ -164,25 +167,30 @@ class SwarmstreamApp(App):
     # --- first run --------------------------------------------------------------------------
 
     def _maybe_first_run(self) -> None:
+        """Ask for the go-ahead while the node waits for it: at every status, unless the dialog
+        is up, the volunteer said "not now", or the answer is on its way. Nothing here is asked
+        only once, so a refused or lost answer leads to the question again."""
         s = self.model.settings
-        if self._first_run_asked or s is None or s.client.confirmed or not self.model.paused:
+        if s is None or s.client.confirmed or not self.model.paused or self._first_run_declined:
             return
-        self._first_run_asked = True
+        if self._first_run_answer is not None and not self._first_run_answer.is_finished:
+            return
+        if self._first_run_dialog is not None and self._first_run_dialog.is_attached:
+            return  # on screen, or a dismissed one not removed yet (its ID is still taken)
         text = first_run_text(self.model, self.data_dir or "(the node's data dir)")
 
         async def start() -> None:
-            # one command: the node saves client.confirmed = true and starts; if it fails, the
-            # dialog comes back at the next status (the node still waits for the go-ahead)
-            if not await self.command(ResumeTraining):
-                self._first_run_asked = False
+            await self.command(ResumeTraining)  # one command: the node saves client.confirmed and starts
 
         def answer(choice: str | None) -> None:
             if choice != "start":
+                self._first_run_declined = True
                 self.notify("the node stays paused; press p when you are ready", title="not now")
                 return
-            self.run_worker(start(), group="first-run")  # after the dialog has gone, not inside its dismissal
+            self._first_run_answer = self.run_worker(start(), group="first-run")  # after the dialog has gone
 
-        self.push_screen(Choice(text, [("start", "Start contributing"), ("later", "Not now")], "first-run"), answer)
+        self._first_run_dialog = Choice(text, [("start", "Start contributing"), ("later", "Not now")], "first-run")
+        self.push_screen(self._first_run_dialog, answer)
 
     # --- actions ----------------------------------------------------------------------------
 
