@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -216,9 +217,22 @@ def _start_node(args: argparse.Namespace, what: str, *, address: str | None = No
     if args.log_level:
         cmd += ["--log-level", args.log_level]
     print(f"{verb} {what}; checkpoints in {data_dir}", file=sys.stderr, flush=True)
+    # The node gets a session of its own, so a terminal's Ctrl+C reaches it only through us: it
+    # would also reach the node's libp2p daemon, which dies at once and leaves the node's network
+    # thread failing while it finishes its step. We pass Ctrl+C (and SIGTERM) on to the node.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=child_env(),
-                            cwd=child_cwd())
+                            cwd=child_cwd(), start_new_session=True)
     assert proc.stdout is not None
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    try:
+        return _follow_node(proc, manifest is not None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _follow_node(proc: subprocess.Popen, hosting: bool) -> int:
+    """Print a foreground node's events until it exits; Ctrl+C asks it to finish its round, a
+    second Ctrl+C to stop at once."""
     try:
         for line in proc.stdout:
             try:
@@ -230,18 +244,25 @@ def _start_node(args: argparse.Namespace, what: str, *, address: str | None = No
                 print(json.dumps(ev), flush=True)
                 continue
             _progress("", ev)
-            if ev.get("event") == "listening" and manifest is not None:
+            if ev.get("event") == "listening" and hosting:
                 _say_address(ev["address"])
         return proc.wait()
-    except KeyboardInterrupt:  # the node got the same Ctrl+C and is finishing its step
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
         print("swarmstream: stopping the node (Ctrl+C again to quit at once) ...", file=sys.stderr, flush=True)
         try:
-            return proc.wait(60)
-        except KeyboardInterrupt:
-            proc.wait(10)  # the node got that one too and exits at once
+            return proc.wait(120)
+        except KeyboardInterrupt:  # it exits at once: it closes its network and goes
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             return 130
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
             return 130
 
 

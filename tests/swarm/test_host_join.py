@@ -76,9 +76,26 @@ class Running:
                 self.cond.wait(max(0.1, deadline - time.monotonic()))
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the command, its node and the node's daemon
+        # the command's own group, and the node's (a session of its own, with its daemon)
+        for group in {self.proc.pid, *children(self.proc.pid)}:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.proc.wait()
+
+
+def children(pid: int) -> list[int]:
+    """The PIDs whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
 
 
 @pytest.fixture
@@ -202,10 +219,10 @@ def test_a_second_ctrl_c_stops_the_node_at_once_in_one_line(tmp_path, running):
             assert str(e).startswith("cannot reach the node"), f"a status request failed: {e}"
     assert answered[0] in ("joining", "syncing", "training", "averaging")
     host.wait_for(r"fragment \d round", timeout=180)  # training
-    os.killpg(host.proc.pid, signal.SIGINT)  # as a terminal's Ctrl+C: to the command and its node
+    os.killpg(host.proc.pid, signal.SIGINT)  # as a terminal's Ctrl+C: to the command's process group
     host.wait_for(r"stopping after this step", timeout=60)  # the node heard the first
     os.killpg(host.proc.pid, signal.SIGINT)
-    assert host.proc.wait(60) == 130
+    assert host.proc.wait(60) == 130, host.lines[-12:]
     text = "\n".join(host.lines)
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
 
