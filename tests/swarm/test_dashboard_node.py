@@ -132,8 +132,10 @@ def test_join_from_the_runs_screen_then_pause_resume_settings_and_finish(demos, 
             assert parse_settings(settings.read_text()).compute.gpu_memory_fraction == 1.0
             app.screen.query_one("#compute-gpu_memory_fraction").value = "1.0"
             app.screen.query_one("#network-max_upload_mbps").value = "80"
-            await pilot.pause()  # the inputs' change messages are handled before the click
-            await pilot.click("#save")
+            await pilot.pause()  # the inputs' change messages are handled before the save
+            # the keyboard, not a click: the refusal's toast may still cover the button on a slow machine
+            app.screen.query_one("#save").focus()
+            await pilot.press("enter")
             await until(pilot, lambda: parse_settings(settings.read_text()).network.max_upload_mbps == 80.0,
                         "the saved cap", timeout=20)
 

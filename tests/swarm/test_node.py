@@ -95,9 +95,10 @@ def test_a_peer_killed_mid_allreduce_is_dropped_expires_and_resumes_from_its_che
     assert demo.procs[2].wait(120) == -signal.SIGKILL  # it vanished right after its group formed
 
     # the others finish that round with the victim dropped, and keep training
-    i, ev = events.wait_for(lambda i, ev: ev.get("event") == "synced" and ev["fragment"] == 0 and ev["round"] == 1)
-    assert i in (0, 1) and ev["dropped"] >= 1 and math.isfinite(ev["train_loss"])
-    events.wait_for(lambda i, ev: ev.get("event") == "synced" and ev["round"] == 2 and i in (0, 1))
+    i, ev = events.wait_for(lambda i, ev: ev.get("event") == "synced" and ev["fragment"] == 0 and ev["dropped"])
+    assert i in (0, 1) and ev["round"] >= 1 and math.isfinite(ev["train_loss"])
+    died_in = ev["round"]
+    events.wait_for(lambda i, ev: ev.get("event") == "synced" and ev["round"] == died_in + 1 and i in (0, 1))
 
     # its heartbeat expires (the demo run's heartbeat_ttl_s is 10 s)
     key = tmp_path / "observer.key"
