@@ -72,7 +72,7 @@ from protocol.messages_control import (
 from protocol.messages_swarm import Heartbeat, RunAdvertised
 from protocol.settings import Settings, parse_settings, render_settings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("peer.node" if __name__ == "__main__" else __name__)  # also under python -m
 
 # Fault injection for the swarm tests, e.g. "die-after-group:0:1": SIGKILL ourselves right after
 # joining our first group of fragment 0 at round 1 or later (a loaded machine may average a round
@@ -184,8 +184,9 @@ class _LogToControl(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             text = "".join(c if c.isprintable() or c == "\n" else "?" for c in record.getMessage())[:4096]
-            self.node._emit(LogRecorded(at=record.created, level=record.levelname, logger=record.name[:128],
-                                        text=text))
+            msg = LogRecorded(at=record.created, level=record.levelname, logger=record.name[:128], text=text)
+            self.node._log_history.append(msg)  # a dashboard that attaches later sees it too
+            self.node._emit(msg)
         except Exception:  # a log line must never break the node
             pass
 
@@ -223,6 +224,7 @@ class Node:
         self._relay_routes: dict[str, list[str]] = {}  # peer ID -> its circuit addresses (peers behind NAT)
         self._recent: deque[Message] = deque(maxlen=300)
         self._loss_history: deque[Message] = deque(maxlen=400)
+        self._log_history: deque[Message] = deque(maxlen=200)
         self.upload_limiter, self.download_limiter = RateLimiter(), RateLimiter()
         self._apply_caps()
         self._maddrs: list[str] = []  # our dialable addresses (status reads them from the first request on)
@@ -408,7 +410,7 @@ class Node:
     def snapshot_events(self) -> list[Message]:
         now = time.time()
         rows = [self._peer_row(k, hb, now) for k, hb in list(self._peers.items())]
-        return list(self._loss_history) + list(self._recent) + rows
+        return list(self._loss_history) + list(self._log_history) + list(self._recent) + rows
 
     def _peer_row(self, key: bytes, hb: Heartbeat, now: float) -> PeerUpdated:
         return PeerUpdated(at=now, peer_id=peer_id_from_public_key(key), state=hb.state, device=hb.device,

@@ -97,6 +97,15 @@ def test_log_keeps_the_newest_lines_and_counts_all():
     assert len(m.log) == MAX_LOG and m.log_total == MAX_LOG + 10 and m.log[-1].text == f"line {MAX_LOG + 9}"
 
 
+def test_the_nodes_log_backlog_after_a_reconnect_is_not_shown_twice():
+    m = DashboardModel()
+    lines = [LogRecorded(at=float(t), level="INFO", logger="peer.node", text=f"line {t}") for t in (1, 2, 2, 3)]
+    lines[2] = LogRecorded(at=2.0, level="INFO", logger="peer.node", text="another line at 2")
+    for ev in lines + lines:  # the snapshot a node sends again when the dashboard reconnects
+        m.apply(ev)
+    assert [ev.text for ev in m.log] == ["line 1", "line 2", "another line at 2", "line 3"] and m.log_total == 4
+
+
 def test_status_node_gone_and_settings():
     m = DashboardModel()
     assert m.settings is None and not m.paused and not m.node_up

@@ -120,6 +120,8 @@ class SwarmstreamApp(App):
                 self._maybe_first_run()
             except ControlError as e:
                 self.model.node_gone(str(e))
+            except Exception:  # a bug in one tick must not freeze the dashboard for good
+                log.exception("the status poller failed once; it goes on")
             await asyncio.sleep(self.poll_s)
 
     async def _follow(self) -> None:

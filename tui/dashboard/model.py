@@ -90,6 +90,9 @@ class DashboardModel:
         elif isinstance(ev, PeerLeft):
             self.peers.pop(ev.peer_id, None)
         elif isinstance(ev, LogRecorded):
+            last = self.log[-1] if self.log else None
+            if last is not None and (ev.at < last.at or (ev.at, ev.text) == (last.at, last.text)):
+                return  # the node's backlog again, after a reconnect: lines come in time order
             self.log.append(ev)
             self.log_total += 1
         elif isinstance(ev, StatusReported):
