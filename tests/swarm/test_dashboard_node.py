@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from textual.widgets import Button
 
 from peer.demo import Demo
 from peer.launch import child_cwd, child_env, module_command
@@ -126,16 +127,17 @@ def test_join_from_the_runs_screen_then_pause_resume_settings_and_finish(demos, 
             await until(pilot, lambda: app.current_mode == "settings" and
                         app.screen.query_one("#network-max_upload_mbps").value != "", "the settings form")
             app.screen.query_one("#compute-gpu_memory_fraction").value = "7"
-            await pilot.click("#save")
+            await pilot.pause()
+            # Save as a press of the button: on a loaded machine a click at its position missed it
+            # (a toast of an earlier command over it, or the form still laying out)
+            app.screen.query_one("#save", Button).press()
             await until(pilot, lambda: "gpu_memory_fraction" in str(app.screen.query_one("#settings-error").render()),
                         "the refusal")
             assert parse_settings(settings.read_text()).compute.gpu_memory_fraction == 1.0
             app.screen.query_one("#compute-gpu_memory_fraction").value = "1.0"
             app.screen.query_one("#network-max_upload_mbps").value = "80"
             await pilot.pause()  # the inputs' change messages are handled before the save
-            # the keyboard, not a click: the refusal's toast may still cover the button on a slow machine
-            app.screen.query_one("#save").focus()
-            await pilot.press("enter")
+            app.screen.query_one("#save", Button).press()
             await until(pilot, lambda: parse_settings(settings.read_text()).network.max_upload_mbps == 80.0,
                         "the saved cap", timeout=20)
 

@@ -44,8 +44,11 @@ class Running:
     """A long-running ``swarmstream`` command; its stderr lines, read as they come."""
 
     def __init__(self, home: Path, *args: str):
+        # as a terminal starts it: Ctrl+C not ignored (a shell's background job, like this test
+        # run may be, passes SIGINT on as ignored, and Python then never raises KeyboardInterrupt)
         self.proc = subprocess.Popen([script(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=env_of(home), cwd=home, stdin=subprocess.DEVNULL, start_new_session=True)
+                                     env=env_of(home), cwd=home, stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.lines: list[str] = []
         self.cond = threading.Condition()
         self.reader = threading.Thread(target=self._read, daemon=True)
