@@ -539,6 +539,10 @@ ExecStart="$VENV/bin/swarmstream" join $1 --headless
 Restart=on-failure
 RestartSec=30
 TimeoutStopSec=120
+# SIGTERM to the command alone, which passes it on to its node once: to every process of the
+# unit, the node would take it twice (the second means "stop at once") and its libp2p daemon
+# would die mid-step
+KillMode=mixed
 Environment=PYTHONUNBUFFERED=1
 Nice=10
 

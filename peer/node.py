@@ -48,7 +48,7 @@ from peer import conditions, paths
 from peer.checkpoint import CheckpointError, NonFiniteState, checkpoint_exists, load_checkpoint, save_checkpoint
 from peer.control import CommandError, ControlError, ControlServer
 from peer.credit import CreditLedger
-from peer.data import ShardSampler, heldout_batches, load_corpus
+from peer.data import DataError, ShardSampler, heldout_batches, load_corpus
 from peer.identity_store import load_or_create_identity
 from peer.matchmaking import Matchmaker
 from peer.model import Transformer
@@ -323,7 +323,8 @@ class Node:
         return dict(
             at=time.time(), run_id=self.signed.run_id if self.signed else b"",
             run_name=self.signed.manifest.name if self.signed else "", peer_id=self.identity.peer_id,
-            state=self.state, pause_reason=self._pause_reason if self.state in ("paused", "pausing") else "",
+            state=self._reported_state(),
+            pause_reason=self._pause_reason if self._reported_state() in ("paused", "pausing") else "",
             step=w.step if w else self._last_step(), tokens=c.tokens_trained if c else 0,
             tokens_per_s=(w.tokens / st.inner_s) if (w and st.inner_s > 0) else 0.0,
             loss=st.losses[-1][1] if st.losses else None, heldout_loss=st.heldout[-1][1] if st.heldout else None,
@@ -338,7 +339,8 @@ class Node:
             fragments_alone=c.fragments_alone if c else 0, rounds_joined=c.rounds_joined if c else 0,
             steps_dropped=c.steps_dropped if c else 0,
             join_address=self.join_address() if self._maddrs else "",
-            total_steps=self.signed.manifest.train.inner.total_steps if self.signed else 0)
+            total_steps=self.signed.manifest.train.inner.total_steps if self.signed else 0,
+            awaiting_confirm=self._awaiting_confirm())
 
     def _last_step(self) -> int:
         return self._paused_step if hasattr(self, "_paused_step") else 0
@@ -358,9 +360,7 @@ class Node:
                 raise CommandError("already paused; resume with `swarmstream resume` or p in the dashboard")
             if self._finish_requested or self.stop_event.is_set():
                 raise CommandError("the node is finishing; it will stop after this round")
-            self._user_paused, self._pause_reason = True, "paused by you"
-            if self.state in ("training", "averaging", "syncing"):
-                self.state = "pausing"  # until what is in flight has landed
+            self._user_paused, self._pause_reason = True, "paused by you"  # status says pausing until it lands
         elif isinstance(msg, ResumeTraining):
             if self._awaiting_confirm():
                 self._confirm()  # resuming a node that never started is the volunteer's go-ahead
@@ -368,8 +368,6 @@ class Node:
                 why = f" (it waits: {self._pause_reason})" if self.state == "paused" else ""
                 raise CommandError(f"not paused by you{why}")
             self._user_paused, self._pause_reason = False, ""
-            if self.state == "pausing":  # resumed before the loop got to pause
-                self.state = "training"
         elif isinstance(msg, FinishAndStop):
             self._finish_requested = True
         elif isinstance(msg, LeaveRun):
@@ -391,6 +389,13 @@ class Node:
         else:
             raise CommandError(f"{type(msg).__name__} is not a command this node takes")
         self._wake.set()
+
+    def _reported_state(self) -> str:
+        """The state the volunteer sees: ``pausing`` from the pause command until the loop has
+        landed what was in flight. Derived, never stored: only the training thread sets state."""
+        if self._user_paused and self._state in ("training", "averaging", "syncing"):
+            return "pausing"
+        return self._state
 
     def _awaiting_confirm(self) -> bool:
         """A first run started with --wait-for-confirm trains only once the volunteer agreed.
@@ -954,9 +959,7 @@ class Node:
                             else self.net.visible_maddrs())
         except Exception as e:
             log.info("could not read our addresses reason=%r", e)
-        # to the swarm a pausing peer still averages: it lands what it has in flight first
-        state = "averaging" if self.state == "pausing" else self.state
-        hb = Heartbeat(run_id=self.run_id, sent_at=now, state=state, step=step,
+        hb = Heartbeat(run_id=self.run_id, sent_at=now, state=self.state, step=step,
                        tokens=self.ledger.credit.tokens_trained, tokens_per_s=tput, rounds=tuple(self.stats.rounds),
                        state_digest=self.state_digest, reachable=self.reachability() == "direct",
                        maddrs=tuple(self._maddrs)[:8], client=f"swarmstream/{__version__}",
@@ -1050,7 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
 # What a volunteer can fix (a key file, an address, a run ID, a checkpoint, a port in use):
 # said in one line, exit code 2, no traceback.
 USER_ERRORS = (NodeAlreadyRunning, ControlError, ProtocolError, RunNotFound, NetworkError, CheckpointError,
-               OSError)
+               DataError, OSError)
 
 
 def one_line(e: BaseException) -> str:

@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from protocol.errors import ConfigError  # a ValueError too: callers that catch that still do
+
 from peer.model import Transformer
 from peer.outer import OuterFragment
 from protocol.config import InnerConfig, TrainConfig
@@ -39,11 +41,11 @@ def pick_device(name: str = "auto") -> torch.device:
     try:
         dev = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
+        raise ConfigError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' asked for but torch sees no CUDA GPU; use --device cpu or install a CUDA build of torch")
+        raise ConfigError("device 'cuda' asked for but torch sees no CUDA GPU; use --device cpu or install a CUDA build of torch")
     if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ValueError("device 'mps' asked for but it is not available on this machine; use --device cpu")
+        raise ConfigError("device 'mps' asked for but it is not available on this machine; use --device cpu")
     return dev
 
 

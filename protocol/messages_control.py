@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from protocol.messages import (
-    RUN_ID_BYTES, U32, U64, Bytes, DecodeError, Float, Int, InvalidMessage, Line, Message, Opt, PeerIdText, Rate,
+    RUN_ID_BYTES, U32, U64, Bool, Bytes, DecodeError, Float, Int, InvalidMessage, Line, Message, Opt, PeerIdText, Rate,
     Seconds, Str, Tag,
     UnixTime, Weight, decode, encode, message,
 )
@@ -169,6 +169,8 @@ class StatusReported(Message):
     total_steps: U64 = 0
     """The run's step target (its manifest's ``train.inner.total_steps``): with ``step`` and
     ``inner_step_s`` it gives the progress and an ETA. 0: unknown (no run yet, or an older node)."""
+    awaiting_confirm: Annotated[bool, Bool()] = False
+    """The node waits for the volunteer's go-ahead (a first run); ``ResumeTraining`` gives it."""
 
 
 @message(Tag.STATE_CHANGED)

@@ -63,9 +63,9 @@ class FakeNode:
             elif isinstance(msg, ResumeTraining):
                 if old != "paused":
                     raise CommandError("not paused")
-                if not self.settings.client.confirmed:  # as the real node: resuming is the go-ahead
+                if self.fields.get("awaiting_confirm"):  # as the real node: resuming is the go-ahead
                     self.settings = self.settings.replace(client_confirmed=True)
-                    self.fields["settings_toml"] = render_settings(self.settings)
+                    self.fields.update(settings_toml=render_settings(self.settings), awaiting_confirm=False)
                 self.fields.update(state="training", pause_reason="")
             elif isinstance(msg, (FinishAndStop, LeaveRun)):
                 self.fields.update(state="finishing")

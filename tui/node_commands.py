@@ -117,11 +117,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         call(args.control, ResumeTraining)
     except ControlError as e:
         return _fail(str(e))
-    try:
-        confirmed = parse_settings(before.settings_toml).client.confirmed
-    except Exception:  # a node of another version: say the usual
-        confirmed = True
-    if before.state == "paused" and not confirmed:
+    if before.awaiting_confirm:
         print(f"starting: this node had been waiting for your go-ahead to contribute (first run); resuming gives it, "
               f"and it is saved as client.confirmed = true in {before.settings_path or 'the settings'}")
     else:
@@ -182,6 +178,11 @@ def start_background_node(address: str | None, *, manifest: Path | None = None, 
             raise ControlError(f"the node exited with code {proc.returncode}: {last_error(log_path)} (log: {log_path})")
         time.sleep(0.2)
     raise ControlError(f"the node did not open its control socket within {timeout:.0f} s; see {log_path}")
+
+
+def running_run(control: Path) -> bytes:
+    """The run ID the node at ``control`` serves (b"" while it has not joined one yet)."""
+    return call(control, GetStatus).run_id
 
 
 def wait_for_address(control: Path, timeout: float = START_TIMEOUT_S) -> str:

@@ -74,7 +74,7 @@ def _demo_dashboard(args: argparse.Namespace) -> int:
           "one is up ...", file=sys.stderr, flush=True)
     try:
         demo.start()
-        code = int(demo_dashboard(demo).run() or 0)
+        code = run_app(demo_dashboard(demo))
     except DemoError as e:
         demo.stop()
         return _fail(str(e))
@@ -121,7 +121,14 @@ def dashboard_app(control: Path | None = None, *, bootstrap: list[str] | None = 
 def open_dashboard(control: Path | None = None, **kwargs) -> int:
     """Run the dashboard (``dashboard_app``) in this terminal until the volunteer quits. With
     no node at ``control``, it opens on the Runs screen, from which joining starts one."""
-    return int(dashboard_app(control, **kwargs).run() or 0)
+    return run_app(dashboard_app(control, **kwargs))
+
+
+def run_app(app) -> int:
+    """Run a Textual app; its exit code, non-zero also when it failed to start (a stylesheet
+    it could not load, say), which ``App.run()`` returns as None."""
+    code = app.run()
+    return int(code if code is not None else (app.return_code or 0))
 
 
 def runs_lister(bootstrap: list[str]):
@@ -163,7 +170,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         return _fail(str(e))
     if not address.bootstrap and not args.initial_peers:
         return _fail("no peer to join through: paste a full address RUN_ID@MULTIADDR or add --initial-peers")
-    return _start_node(args, f"run {format_run_id(address.run_id)}", address=str(address))
+    return _start_node(args, f"run {format_run_id(address.run_id)}", address.run_id, address=str(address))
 
 
 def cmd_host(args: argparse.Namespace) -> int:
@@ -176,7 +183,8 @@ def cmd_host(args: argparse.Namespace) -> int:
         signed = open_manifest(read_manifest_file(args.manifest))
     except (ProtocolError, OSError) as e:
         return _fail(f"{args.manifest}: {e}")
-    return _start_node(args, f"run {signed.manifest.name!r} ({signed.run_id_text})", manifest=args.manifest.resolve())
+    return _start_node(args, f"run {signed.manifest.name!r} ({signed.run_id_text})", signed.run_id,
+                       manifest=args.manifest.resolve())
 
 
 def _say_address(address: str) -> None:
@@ -185,7 +193,7 @@ def _say_address(address: str) -> None:
           file=sys.stderr, flush=True)
 
 
-def _start_node(args: argparse.Namespace, what: str, *, address: str | None = None,
+def _start_node(args: argparse.Namespace, what: str, run_id: bytes, *, address: str | None = None,
                 manifest: Path | None = None) -> int:
     """``join`` and ``host``: a node for ``address`` or ``manifest``, in the background with the
     dashboard, or in the foreground with ``--headless``."""
@@ -200,12 +208,18 @@ def _start_node(args: argparse.Namespace, what: str, *, address: str | None = No
     verb = "hosting" if manifest is not None else "joining"
     if not args.headless:  # in the background, with the dashboard attached
         from tui.control_client import ControlError
-        from tui.node_commands import start_background_node, wait_for_address
+        from tui.node_commands import running_run, start_background_node, wait_for_address
 
         print(f"starting a node {verb} {what} in the background ...", file=sys.stderr, flush=True)
         try:
             control = start_background_node(address, manifest=manifest, identity=identity, data_dir=data_dir,
                                             listen=args.listen, extra=extra)
+            other = running_run(control)
+            if other and other != run_id:  # one node per volunteer, and it serves another run
+                from protocol.manifest import format_run_id
+
+                return _fail(f"your node already runs run {format_run_id(other)}; stop it first (`swarmstream stop "
+                             "--wait`), then start this one")
             if manifest is not None:
                 _say_address(wait_for_address(control))
         except ControlError as e:
@@ -223,11 +237,14 @@ def _start_node(args: argparse.Namespace, what: str, *, address: str | None = No
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=child_env(),
                             cwd=child_cwd(), start_new_session=True)
     assert proc.stdout is not None
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    # a service manager's SIGTERM, or a closed terminal's SIGHUP: the node finishes its round
+    passed_on = {sig: signal.signal(sig, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+                 for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return _follow_node(proc, manifest is not None)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, previous in passed_on.items():
+            signal.signal(sig, previous)
 
 
 def _follow_node(proc: subprocess.Popen, hosting: bool) -> int:
@@ -257,13 +274,20 @@ def _follow_node(proc: subprocess.Popen, hosting: bool) -> int:
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                _kill_session(proc)
             return 130
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            _kill_session(proc)
             return 130
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the node and its libp2p daemon (the session it leads)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 # --- runs ----------------------------------------------------------------------------

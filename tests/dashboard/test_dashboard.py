@@ -219,7 +219,8 @@ def test_a_node_that_goes_away_is_shown_and_the_dashboard_keeps_running(sock):
 
 def test_first_run_explains_and_starts_only_when_confirmed(sock):
     async def go():
-        with FakeNode(sock, state="paused", pause_reason="waiting for you to confirm in the dashboard") as node:
+        with FakeNode(sock, state="paused", pause_reason="waiting for you to confirm in the dashboard",
+                      awaiting_confirm=True) as node:
             node.settings = Settings()  # confirmed = false
             node.fields["settings_toml"] = render_settings(node.settings)
             app = make_app(sock, data_dir="/home/v/.local/share/swarmstream")
@@ -240,7 +241,8 @@ def test_first_run_explains_and_starts_only_when_confirmed(sock):
 def test_a_failed_first_run_confirm_asks_again(sock):
     """The go-ahead cannot be lost: if the node refuses it once, the dialog comes back."""
     async def go():
-        with FakeNode(sock, state="paused", pause_reason="waiting for you to confirm in the dashboard") as node:
+        with FakeNode(sock, state="paused", pause_reason="waiting for you to confirm in the dashboard",
+                      awaiting_confirm=True) as node:
             node.settings = Settings()
             node.fields["settings_toml"] = render_settings(node.settings)
             node.refuse_once[ResumeTraining] = "the node is starting; try again"
@@ -337,7 +339,8 @@ def test_a_refused_command_shows_the_reason_and_nothing_breaks(sock):
 
 def test_first_run_not_now_leaves_the_node_paused_and_does_not_ask_again(sock):
     async def go():
-        with FakeNode(sock, state="paused", pause_reason="waiting for you to confirm in the dashboard") as node:
+        with FakeNode(sock, state="paused", pause_reason="waiting for you to confirm in the dashboard",
+                      awaiting_confirm=True) as node:
             node.fields["settings_toml"] = render_settings(Settings())
             app = make_app(sock)
             async with app.run_test(size=(130, 42)) as pilot:

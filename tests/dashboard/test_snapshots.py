@@ -111,7 +111,7 @@ def test_first_run_dialog(snap_compare):
         await pilot.pause(0.7)
 
     with FakeNode(sock, state="paused", pause_reason="waiting for you to confirm in the dashboard",
-                  settings_path="/home/v/.config/swarmstream/settings.toml",
+                  awaiting_confirm=True, settings_path="/home/v/.config/swarmstream/settings.toml",
                   settings_toml=render_settings(Settings(network=NetworkSettings(max_upload_mbps=20.0)))):
         app = SwarmstreamApp(sock, poll_s=0.2, clock=lambda: NOW, data_dir="/home/v/.local/share/swarmstream")
         assert snap_compare(app, terminal_size=SIZE, run_before=go)

@@ -153,8 +153,9 @@ def test_host_join_status_pause_resume_stop_with_two_identities(tmp_path, runnin
 
     joiner = running(joiner_home, "join", address, "--headless", *LISTEN)
     joiner.wait_for(r"fragment \d round +\d+ .* ok$", timeout=180)  # averaged with the host
-    st = status(joiner_home)
-    assert st["peers"] == 2 and st["state"] in ("training", "averaging") and st["join_address"]
+    # the peers table comes from heartbeats in the DHT; on a loaded machine one can lapse for a moment
+    st = wait_status(joiner_home, lambda s: s["peers"] == 2, "the host in the joiner's peers")
+    assert st["state"] in ("training", "averaging", "syncing") and st["join_address"]
 
     paused = swarmstream(joiner_home, "pause")
     assert paused.returncode == 0 and paused.stdout.startswith("paused"), paused.stdout + paused.stderr

@@ -112,7 +112,7 @@ def test_warnings_reach_the_dashboard_although_hivemind_renames_the_level(root, 
     r, _ = root
     init_logging()
     sent: list = []
-    forward = _LogToControl(SimpleNamespace(_emit=sent.append))  # the node's own handler
+    forward = _LogToControl(SimpleNamespace(_emit=sent.append, _log_history=[]))  # the node's own handler
     r.addHandler(forward)
     try:
         log = logging.getLogger("peer.allreduce")

@@ -1,5 +1,5 @@
 """The Textual dashboard (``swarmstream`` with no arguments, ``join``, ``demo``)."""
 
-from tui.dashboard.app import SwarmstreamApp, run_dashboard
+from tui.dashboard.app import SwarmstreamApp
 
-__all__ = ["SwarmstreamApp", "run_dashboard"]
+__all__ = ["SwarmstreamApp"]

@@ -172,8 +172,8 @@ class SwarmstreamApp(App):
         """Ask for the go-ahead while the node waits for it: at every status, unless the dialog
         is up, the volunteer said "not now", or the answer is on its way. Nothing here is asked
         only once, so a refused or lost answer leads to the question again."""
-        s = self.model.settings
-        if s is None or s.client.confirmed or not self.model.paused or self._first_run_declined:
+        st = self.model.status
+        if st is None or not st.awaiting_confirm or self._first_run_declined:
             return
         if self._first_run_answer is not None and not self._first_run_answer.is_finished:
             return
@@ -231,10 +231,3 @@ class SwarmstreamApp(App):
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
-
-
-def run_dashboard(control_path: Path | str, **kwargs) -> int:
-    """Run the dashboard in this terminal until the volunteer quits; returns the exit code."""
-    app = SwarmstreamApp(control_path, **kwargs)
-    code = app.run()
-    return int(code or 0)
