@@ -50,8 +50,10 @@ async def until(pilot, cond, what: str, timeout: float = 120.0, log=None):
         await pilot.pause(0.1)  # lets the app's workers poll the node; the deadline bounds the wait
 
 
-def test_join_from_the_runs_screen_then_pause_resume_settings_and_finish(demos, background_nodes, short_tmp,
+def test_join_from_the_runs_screen_then_pause_resume_settings_and_finish(demos, short_tmp, background_nodes,
                                                                         monkeypatch):
+    # (short_tmp before background_nodes: fixtures end in reverse, and the node to end is found
+    # through the lock file in short_tmp, so that folder must outlive the node's teardown)
     work = short_tmp
     monkeypatch.setenv("SWARMSTREAM_HOME", str(work / "home"))  # the joined node's logs go here
     node_log = work / "home" / "data" / "logs" / "node.log"
