@@ -3,7 +3,6 @@ and one node per identity. Two `python -m peer.node` processes on 127.0.0.1 (via
 
 import math
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from peer.demo import Demo
+from peer.launch import child_cwd, child_env, module_command
 from protocol.messages_control import FinishAndStop, GetStatus, PauseTraining, ResumeTraining
 from swarm_util import Events
 from tui.cli import main as cli_main
@@ -45,10 +45,10 @@ def test_pause_releases_the_model_resume_catches_up_and_stop_finishes_the_round(
     assert st.fragments_contributed >= 1 and st.tokens >= st.tokens_contributed > 0  # the credit ledger
 
     # one node per identity: a second one on peer 0's key is refused with a one-line error
-    second = subprocess.run([sys.executable, "-m", "peer.node", "--address", demo.address, "--identity",
-                             str(workdir / "peer0.key"), "--data-dir", str(workdir / "x"), "--control",
-                             str(workdir / "x.sock"), "--settings", str(workdir / "peer0.toml")],
-                            capture_output=True, text=True, timeout=60)
+    second = subprocess.run(module_command("peer.node", "--address", demo.address, "--identity",
+                                           str(workdir / "peer0.key"), "--data-dir", str(workdir / "x"), "--control",
+                                           str(workdir / "x.sock"), "--settings", str(workdir / "peer0.toml")),
+                            capture_output=True, text=True, timeout=60, env=child_env(), cwd=child_cwd(workdir))
     assert second.returncode == 2 and "already runs with the identity" in second.stderr
 
     # pause: what is in flight is contributed, the model is dropped, the step stands still
