@@ -57,6 +57,7 @@ from peer.presence import Presence, RunNotFound
 from peer.ratelimit import RateLimiter, mbps_to_bytes_per_s
 from peer.settings_store import load_settings, save_settings
 from peer.globalstate import StateSyncError, apply, choose_digest, snapshot
+from peer.sync_pipeline import InFlight, SyncPipeline
 from peer.statesync import StateServer, current_indexes, fetch_state
 from peer.worker import Worker, evaluate, pick_device
 from protocol.butterfly import slice_bounds
@@ -217,6 +218,7 @@ class Node:
         self._leave_requested = False
         self._settings_changed = True
         self._progress: tuple[float, str] | None = None
+        self._pipeline: SyncPipeline | None = None  # the fragment syncs in flight (run() makes it)
         # what the dashboard sees on subscribing
         self._peers: dict[bytes, Heartbeat] = {}
         self._peers_future: Any = None
@@ -563,11 +565,11 @@ class Node:
             return self._pause_reason or "paused by you"
         return self._conditions_reason()
 
-    def _pause(self, pending: dict, swarm) -> None:
+    def _pause(self, pipeline: SyncPipeline, swarm) -> None:
         """Land what is in flight (contributed, never dropped), release the accelerator, and
         stay announced as paused until resumed or stopped; then rebuild and catch up."""
-        for p in sorted(pending):
-            self._land(p, pending.pop(p), swarm)
+        for sync in pipeline.drain():
+            self._land(sync, swarm)
         self._release_worker()
         self.state = "paused"
         log.info("paused reason=%s", self._pause_reason)
@@ -600,8 +602,7 @@ class Node:
         worker = self.worker
         self._wait_for_peers(swarm)
         self._check_agreement(swarm, joining=True)  # late join, restart: catch up first
-        schedule = worker.schedule
-        pending: dict[int, tuple[int, object, torch.Tensor, int]] = {}
+        pipeline = self._pipeline = SyncPipeline(worker.schedule)
         last_beat = last_ckpt = 0.0
         finish_at: int | None = None
         t_start = time.perf_counter()
@@ -616,7 +617,7 @@ class Node:
             reason = self._pause_wanted() if finish_at is None else ""
             if reason:
                 self._pause_reason = reason
-                self._pause(pending, swarm)
+                self._pause(pipeline, swarm)
                 if self.stop_event.is_set():
                     break
                 if self._finish_requested:
@@ -636,29 +637,28 @@ class Node:
                 ev = LossMeasured(at=time.time(), step=step, split="train", loss=max(0.0, min(loss, 1e9)))
                 self._loss_history.append(ev)
                 self._emit(ev)
-            for p in schedule.starts_after(step):
-                r = schedule.round_of(p, step)
+            for p, r in pipeline.starts(step):
                 delta, weight = worker.begin_sync(p)
                 self._sync_started_at[p] = step
-                pending[p] = (r, self.net.submit(self._average(p, r, delta, weight)), delta, weight)
+                pipeline.start(p, r, step, (self.net.submit(self._average(p, r, delta, weight)), delta, weight))
                 if self.state == "training":
                     self.state = "averaging"
-            for p in schedule.lands_after(step):
-                self._land(p, pending.pop(p), swarm)
+            for sync in pipeline.due(step):  # what is in flight decides, so a sync landed early by a pause is gone
+                self._land(sync, swarm)
                 self._publish_state(worker)
-                if p == len(worker.outer) - 1:  # the last fragment landed: a full round
+                if sync.fragment == len(worker.outer) - 1:  # the last fragment landed: a full round
                     self._full_round(worker, last_ckpt)
                     if time.monotonic() - last_ckpt >= self.cfg.checkpoint_every_s:
                         last_ckpt = time.monotonic()
                         self._save()
-            if not pending and self.state == "averaging":
+            if not pipeline and self.state == "averaging":
                 self.state = "training"
             now = time.monotonic()
             if now - last_beat >= swarm.heartbeat_interval_s:
                 last_beat = now
                 self._beat(swarm)
                 self._refresh_peers(swarm)
-                if not pending:  # between rounds: nothing of ours is in flight
+                if not pipeline:  # between rounds: nothing of ours is in flight
                     self._check_agreement(swarm)
                     worker = self.worker
             if self.cfg.max_rounds is not None and min(self.stats.rounds) >= self.cfg.max_rounds:
@@ -666,14 +666,13 @@ class Node:
             if finish_at is not None and min(self.stats.rounds) >= finish_at:
                 break
         self.state = "leaving" if self._leave_requested else "finishing"
-        for p in sorted(pending):  # contribute what was started; never drop it silently
-            r, fut, _, _ = pending[p]
-            if self._leave_requested:  # leave now: the round in flight is abandoned, and we say so
-                fut.cancel()
-                log.warning("left the run: the sync of fragment %d round %d was abandoned", p, r)
+        if self._leave_requested:  # leave now: the rounds in flight are abandoned, and we say so
+            for sync in pipeline.abandon():
+                sync.handle[0].cancel()
+                log.warning("left the run: the sync of fragment %d round %d was abandoned", sync.fragment, sync.round)
                 self.ledger.record_sync(0, acknowledged=False)
-                continue
-            self._land(p, pending.pop(p), swarm)
+        for sync in pipeline.finish():  # contribute what was started; never drop it silently
+            self._land(sync, swarm)
         worker = self.worker
         self._save()
         self.ledger.save()
@@ -736,9 +735,10 @@ class Node:
             outcome.average[start:end] = 0.0
         return outcome, len(group.members)
 
-    def _land(self, fragment: int, item: tuple, swarm) -> None:
+    def _land(self, sync: InFlight, swarm) -> None:
         worker = self.worker
-        round_, fut, delta, weight = item
+        fragment, round_ = sync.fragment, sync.round
+        fut, delta, weight = sync.handle
         t0 = time.perf_counter()
         reason = ""
         try:
@@ -916,6 +916,8 @@ class Node:
                 log.warning("dropped %d local inner steps trained since our last contribution: the run moved on "
                             "to rounds %s while we were away", dropped, list(state.rounds))
                 self.ledger.record_dropped(dropped)
+        if self._pipeline is not None:
+            self._pipeline.rebase()  # refuses with syncs in flight: a landing would apply to the replaced copy
         apply(worker, state)
         self.stats.rounds = list(state.rounds)
         self.state_digest = digest

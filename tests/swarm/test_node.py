@@ -16,6 +16,8 @@ from peer.presence import Presence
 from peer.simulation import SimulationConfig, run_simulation
 from protocol.identity import public_key_from_peer_id
 from protocol.manifest import open_manifest
+from protocol.messages_control import FinishAndStop
+from tui.control_client import call
 
 pytestmark = pytest.mark.swarm
 
@@ -126,32 +128,30 @@ def test_a_peer_killed_mid_allreduce_is_dropped_expires_and_resumes_from_its_che
 
 
 def test_a_late_joiner_downloads_the_state_and_then_matches_the_others_bit_for_bit(tmp_path, demos):
+    """From its download on, the joiner holds what the others hold: in every round that all
+    four averaged as one group with nobody dropped, having entered it with one copy, they land
+    one digest. On a busy machine a round may split or drop a slow member (the protocol allows
+    that and repairs it), so the run goes on until the joiner has averaged in such a round,
+    rather than for a fixed number of rounds that load could leave without one."""
     events = Events()
-    demo = Demo(3, rounds=6, workdir=tmp_path, on_event=events)
+    demo = Demo(3, rounds=None, workdir=tmp_path, on_event=events)
     demos.append(demo)
     demo.start()
     events.wait_for(lambda i, ev: i == 0 and ev.get("event") == "synced" and ev["fragment"] == 1 and ev["round"] == 1)
     demo.add_peer()  # peer 3 joins after 2 full rounds
-    _, synced = events.wait_for(lambda i, ev: i == 3 and ev.get("event") == "state_synced")
+    _, synced = events.wait_for(lambda i, ev: i == 3 and ev.get("event") == "state_synced", timeout=180)
     assert min(synced["rounds"]) >= 2
+    deadline = time.monotonic() + 420
+    while not clean_rounds(events.seen, 4):
+        left = deadline - time.monotonic()
+        assert left > 0, f"the joiner never averaged in a full group with nobody dropped; last events {events.seen[-6:]}"
+        events.wait_for(lambda i, ev: ev.get("event") == "synced", timeout=left)
+    for i in range(4):
+        call(demo.control_path(i), FinishAndStop)
     summary = demo.wait()
     assert summary["errors"] == [] and set(demo.summaries) == {0, 1, 2, 3}
-    # From its download on, the joiner holds what the others hold: in every round that all four
-    # averaged as one group with nobody dropped, having entered it with one copy, they land one
-    # digest. (Asymmetric drops under load can still leave honest peers apart for a round: the
-    # open part of issue 12; the final copies are compared only when the run ended cleanly.)
-    per: dict[tuple[int, int], dict[int, tuple[str, int, int]]] = {}
-    for i, ev in events.drain():
-        if ev.get("event") == "synced" and not ev["alone"]:
-            per.setdefault((ev["fragment"], ev["round"]), {})[i] = (ev["digest"], ev["group_size"], ev["dropped"])
-
-    def one_copy(key) -> bool:
-        return len({d for d, _, _ in per.get(key, {}).values()}) <= 1
-
-    clean = [(f, r) for (f, r), d in per.items()
-             if len(d) == 4 and all(g == 4 and not dropped for _, g, dropped in d.values()) and one_copy((f, r - 1))]
-    assert clean, f"the joiner never averaged in a full group with nobody dropped: {sorted(per)}"
-    assert all(one_copy(k) for k in clean), {k: per[k] for k in clean if not one_copy(k)}
+    clean = clean_rounds(events.drain(), 4)
+    assert all(len(d) == 1 for d in clean.values()), {k: d for k, d in clean.items() if len(d) > 1}
     digests = {i: s["global_digest"] for i, s in demo.summaries.items()}
     if all(not s["dropped_peers"] and not s["syncs_alone"] for s in demo.summaries.values()):
         assert len(set(digests.values())) == 1, digests

@@ -175,6 +175,10 @@ class SwarmstreamApp(App):
         st = self.model.status
         if st is None or not st.awaiting_confirm or self._first_run_declined:
             return
+        if self.current_mode != "dashboard":
+            # asked on the dashboard only: each mode has its own screen stack, so a dialog pushed
+            # while the Runs screen was starting the node would stay hidden behind that mode
+            return
         if self._first_run_answer is not None and not self._first_run_answer.is_finished:
             return
         if self._first_run_dialog is not None and self._first_run_dialog.is_attached:
