@@ -9,7 +9,16 @@ against tau = 1.
 
 Per (N, tau, link) it prints and writes (JSON, with the machine and the commit):
 - wall time of the run (start of the first node to the exit of the last) and rounds completed;
-- compute utilization: time in inner steps / time in the training loop, summed over peers;
+- blocked share: the share of each node's training-loop wall time that it was blocked on the
+  network (waiting at a landing step for a group or a late result, plus peer lookups,
+  agreement checks and state downloads between steps), mean over peers; the figure that
+  overlap (tau) and pipelined matchmaking exist to bring to 0;
+- effective utilization: sum over peers of (inner steps x bare step time) / wall time of the
+  run, where the bare step is measured in this process right before the run, with the same
+  model, batch and torch threads, and nothing else running. 1.0 means the swarm did as much
+  training per second as one process alone on the machine; shared cores or time blocked
+  lower it, and nothing makes it look better (the old "time in steps / time in the loop"
+  rose when peers slowed each other down, so it is gone);
 - bytes sent and received per peer per round (a round = one sync of every fragment), and
   what the butterfly arithmetic and the codec's exact sizes expect (no message overhead);
 - all-reduce latency, median and p90 over every sync of every peer (group formed to average
@@ -19,7 +28,7 @@ Per (N, tau, link) it prints and writes (JSON, with the machine and the commit):
 - syncs averaged alone, held-out loss of the global model (mean over peers), and whether all
   peers ended with the same global model (one group: they must).
 
-The run: tiny preset, ``stdlib`` corpus, Streaming DiLoCo with P = 2 and the fp4 codec, the
+The run: tiny preset (``--preset``), ``stdlib`` corpus, Streaming DiLoCo with P = 2 and the fp4 codec, the
 demo's swarm timings (matchmaking 5 s, all-reduce deadline 30 s), alpha = 0 at tau = 0 and
 0.5 at tau > 0 (``protocol.config.SYNC_MODES``). Choose H so a round is long against the
 matchmaking floor (about ``0.5 * matchmaking_timeout_s`` per sync: the batch gap plus the
@@ -66,6 +75,7 @@ from protocol.config import (
     TrainConfig,
     model_preset,
 )
+from protocol.errors import ConfigError
 from protocol.manifest import RunManifest, SwarmConfig, sign_manifest
 
 NS = "ssbench"  # namespaces ssbenchI on bridge ssbench-br (peer.netns)
@@ -82,6 +92,15 @@ def rate_bits(rate: str) -> float:
     if not m:
         raise argparse.ArgumentTypeError(f"rate {rate!r}: use tc's syntax, e.g. 20mbit or 500kbit")
     return float(m[1]) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[m[2]]
+
+
+def preset_arg(name: str) -> str:
+    """--preset: a model preset, checked before any run starts."""
+    try:
+        model_preset(name)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
 
 
 def rate_arg(text: str) -> str | None:
@@ -134,10 +153,11 @@ def netns_unavailable(rate: str | None) -> str:
     return ""
 
 
-def run_manifest(work: Path, tau: int, H: int, rounds: int, mm_timeout_s: float) -> tuple[bytes, TrainConfig]:
+def run_manifest(work: Path, tau: int, H: int, rounds: int, mm_timeout_s: float,
+                 preset: str = "tiny") -> tuple[bytes, TrainConfig]:
     """The signed manifest of one run (like ``peer.demo.demo_manifest``, with our H and tau)."""
     ident = load_or_create_identity(work / "creator.key")
-    train = TrainConfig(model=model_preset("tiny"), data=DataConfig(source="stdlib"),
+    train = TrainConfig(model=model_preset(preset), data=DataConfig(source="stdlib"),
                         inner=InnerConfig(lr=3e-3, warmup_steps=20, total_steps=rounds * H, batch_size=8),
                         sync=SyncConfig(inner_steps=H, fragments=2, overlap=tau, alpha=0.5 if tau else 0.0,
                                         codec="fp4"))
@@ -160,6 +180,26 @@ def expected_bytes_per_round(train: TrainConfig, n: int) -> float:
     return total
 
 
+def bare_step_s(train: TrainConfig, steps: int = 20, warmup: int = 3) -> float:
+    """The median time of one inner step of this run's model and batch, alone in this process
+    (same torch threads as a node: torch's default), with nothing else of the bench running."""
+    from peer.data import ShardSampler, load_corpus
+    from peer.worker import Worker
+
+    corpus = load_corpus(train.data, train.model.vocab_size)
+    sampler = ShardSampler(corpus.train, train.model.seq_len, train.inner.batch_size, train.data.seed, "bench")
+    worker = Worker(train, device="cpu")
+    times = []
+    for i in range(warmup + steps):
+        batches = [sampler.next_batch() for _ in range(train.inner.grad_accum)]
+        t0 = time.perf_counter()
+        worker.forward_backward(batches)
+        worker.optimizer_step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def p90(xs: list[float]) -> float:
     """Nearest-rank 90th percentile."""
     xs = sorted(xs)
@@ -168,7 +208,8 @@ def p90(xs: list[float]) -> float:
 
 def run_one(n: int, tau: int, args: argparse.Namespace, netns: bool) -> dict:
     work = Path(tempfile.mkdtemp(prefix="ss-bench-"))
-    signed, train = run_manifest(work, tau, args.inner_steps, args.rounds, args.matchmaking_timeout)
+    signed, train = run_manifest(work, tau, args.inner_steps, args.rounds, args.matchmaking_timeout, args.preset)
+    bare = bare_step_s(train)  # right before the run, on the same machine state
     launcher = {i: ["ip", "netns", "exec", f"{NS}{i}"] for i in range(n)} if netns else None
     listen = {i: f"/ip4/{SUBNET}.{i + 1}/tcp/0" for i in range(n)} if netns else None
     demo = Demo(n, rounds=args.rounds, workdir=work, manifest=signed, launcher=launcher, listen=listen,
@@ -206,8 +247,10 @@ def run_one(n: int, tau: int, args: argparse.Namespace, netns: bool) -> dict:
         "finished": len(s), "timed_out": timed_out, "errors": summary["errors"], "workdir": str(work),
         "wall_s": wall, "train_s": statistics.mean(p["wall_s"] for p in s) if s else float("nan"),
         "rounds": summary["rounds"], "steps_per_peer": steps / max(1, len(s)),
-        "step_ms": 1e3 * sum(p["inner_s"] for p in s) / max(1, steps),
-        "utilization": sum(p["inner_s"] for p in s) / max(1e-9, sum(p["wall_s"] for p in s)),
+        "step_ms": 1e3 * sum(p["inner_s"] for p in s) / max(1, steps), "bare_step_ms": 1e3 * bare,
+        "blocked_share": statistics.mean(p["blocked_s"] / p["wall_s"] for p in s) if s else float("nan"),
+        "blocked_at_sync_share": statistics.mean(p["waited_s"] / p["wall_s"] for p in s) if s else float("nan"),
+        "effective_utilization": steps * bare / max(1e-9, wall),
         "sent_kb_per_round": statistics.mean(p["bytes_sent"] / r for p, r in zip(s, rounds)) / 1e3 if s else 0.0,
         "recv_kb_per_round": statistics.mean(p["bytes_received"] / r for p, r in zip(s, rounds)) / 1e3 if s else 0.0,
         "expected_kb_per_round": expected_bytes_per_round(train, n) / 1e3,
@@ -236,6 +279,7 @@ def main() -> int:
                     help="the run's matchmaking_timeout_s (default 5, the demo's); ~half of it is waited per sync")
     ap.add_argument("--run-timeout", type=float, default=300.0,
                     help="seconds before a run's nodes are stopped and it is reported as timed out (default 300)")
+    ap.add_argument("--preset", default="tiny", type=preset_arg, help="model preset of the run (default tiny)")
     ap.add_argument("--quick", action="store_true", help="N = 2, 4; 2 rounds of H = 100 (~3 min)")
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/swarm.json)")
     args = ap.parse_args()
@@ -258,17 +302,20 @@ def main() -> int:
                   file=sys.stderr, flush=True)
             row = run_one(n, tau, args, netns)
             rows.append(row)
-            print(f"  {row['wall_s']:.0f} s, {row['finished']}/{n} finished, utilization {row['utilization']:.2f}, "
+            print(f"  {row['wall_s']:.0f} s, {row['finished']}/{n} finished, blocked {row['blocked_share']:.1%}, "
+                  f"effective utilization {row['effective_utilization']:.2f}, "
                   f"waited {row['waited_per_sync_s']:.2f} s/sync" + (" TIMED OUT" if row["timed_out"] else ""),
                   file=sys.stderr, flush=True)
             for err in row["errors"]:
                 print(f"  {err}", file=sys.stderr)
 
     print()
-    print(f"tiny preset, P=2, fp4, H={args.inner_steps}, {args.rounds} rounds; network: {network}")
+    print(f"{args.preset} preset, P=2, fp4, H={args.inner_steps}, {args.rounds} rounds; network: {network}")
     print_table(rows, [("peers", "N", "d"), ("tau", "tau", "d"), ("link", "link", "s"),
                        ("finished", "done", "d"), ("wall_s", "wall s", ".0f"), ("rounds", "rounds", "d"),
-                       ("step_ms", "step ms", ".0f"), ("utilization", "util", ".2f"),
+                       ("step_ms", "step ms", ".0f"), ("bare_step_ms", "bare ms", ".0f"),
+                       ("blocked_share", "blocked", ".1%"), ("blocked_at_sync_share", "at sync", ".1%"),
+                       ("effective_utilization", "eff util", ".2f"),
                        ("sent_kb_per_round", "sent KB/rnd", ".1f"), ("expected_kb_per_round", "expect KB", ".1f"),
                        ("recv_kb_per_round", "recv KB/rnd", ".1f"), ("allreduce_median_s", "AR med s", ".2f"),
                        ("allreduce_p90_s", "AR p90 s", ".2f"), ("waited_per_sync_s", "wait/sync s", ".2f"),

@@ -134,7 +134,12 @@ class NodeStats:
     syncs_alone: int = 0
     dropped_peers: int = 0
     waited_s: float = 0.0
+    """Training blocked at a landing step on a sync's result (matchmaking + all-reduce not hidden by tau)."""
+    checks_s: float = 0.0
+    """Training blocked on the swarm between steps: peer lookups, agreement checks, state downloads."""
+    paused_s: float = 0.0
     inner_s: float = 0.0
+    tokens: int = 0  # trained by this process (a restart starts again at 0)
     inner_steps: int = 0
     allreduce_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     """Latency of the latest all-reduces (bounded: a node runs for weeks)."""
@@ -218,6 +223,7 @@ class Node:
         self._leave_requested = False
         self._settings_changed = True
         self._progress: tuple[float, str] | None = None
+        self._loop_t0 = 0.0  # when the training loop started (perf_counter)
         self._pipeline: SyncPipeline | None = None  # the fragment syncs in flight (run() makes it)
         # what the dashboard sees on subscribing
         self._peers: dict[bytes, Heartbeat] = {}
@@ -328,7 +334,7 @@ class Node:
             state=self._reported_state(),
             pause_reason=self._pause_reason if self._reported_state() in ("paused", "pausing") else "",
             step=w.step if w else self._last_step(), tokens=c.tokens_trained if c else 0,
-            tokens_per_s=(w.tokens / st.inner_s) if (w and st.inner_s > 0) else 0.0,
+            tokens_per_s=self._tokens_per_s(),
             loss=st.losses[-1][1] if st.losses else None, heldout_loss=st.heldout[-1][1] if st.heldout else None,
             peers=len(self._peers) + 1, rounds_done=min(st.rounds, default=0), upload_bps=up * 8,
             download_bps=down * 8, uptime_s=time.time() - self.started_at, device=self._device_name(),
@@ -343,6 +349,14 @@ class Node:
             join_address=self.join_address() if self._maddrs else "",
             total_steps=self.signed.manifest.train.inner.total_steps if self.signed else 0,
             awaiting_confirm=self._awaiting_confirm())
+
+    def _tokens_per_s(self) -> float:
+        """Tokens per second of training time (time blocked on the network included, pauses
+        not), not per second of compute: a step slowed by a shared core or a wait lowers it."""
+        if self.worker is None or self.state == "paused" or not self._loop_t0:
+            return 0.0
+        training_s = time.perf_counter() - self._loop_t0 - self.stats.paused_s
+        return self.stats.tokens / training_s if training_s > 0 else 0.0
 
     def _last_step(self) -> int:
         return self._paused_step if hasattr(self, "_paused_step") else 0
@@ -448,8 +462,15 @@ class Node:
             self._reconnecting = self.net.submit(self.net.reconnect())  # alone: maybe we lost the network
 
     def _update_peers(self, live: dict[bytes, Heartbeat]) -> None:
-        live = {k: hb for k, hb in live.items() if k != self.identity.public_key}
+        """Take a read of the run's heartbeats as the new view. A peer leaves the view when its
+        last heartbeat expires, not when one read misses it: a DHT read under load can come back
+        short or empty, and that is no reason to show every peer as gone."""
         now = time.time()
+        ttl = self.signed.manifest.swarm.heartbeat_ttl_s if self.signed else 0.0
+        live = {k: hb for k, hb in live.items() if k != self.identity.public_key}
+        for k, hb in self._peers.items():
+            if k not in live and now - hb.sent_at <= ttl:
+                live[k] = hb  # not in this read, but its last heartbeat is still fresh
         for k in self._peers.keys() - live.keys():
             self._remember(PeerLeft(at=now, peer_id=peer_id_from_public_key(k), reason="heartbeat expired"))
         for k, hb in live.items():
@@ -605,7 +626,7 @@ class Node:
         pipeline = self._pipeline = SyncPipeline(worker.schedule)
         last_beat = last_ckpt = 0.0
         finish_at: int | None = None
-        t_start = time.perf_counter()
+        t_start = self._loop_t0 = time.perf_counter()
         self.state = "training"
         while not self.stop_event.is_set():
             if self._settings_changed:
@@ -617,7 +638,9 @@ class Node:
             reason = self._pause_wanted() if finish_at is None else ""
             if reason:
                 self._pause_reason = reason
+                t_pause = time.perf_counter()
                 self._pause(pipeline, swarm)
+                self.stats.paused_s += time.perf_counter() - t_pause
                 if self.stop_event.is_set():
                     break
                 if self._finish_requested:
@@ -631,7 +654,9 @@ class Node:
             self.stats.inner_s += dt
             self.stats.step_times.append(dt)
             step = worker.step
-            self.ledger.record_trained(train.inner.batch_size * train.inner.grad_accum * train.model.seq_len)
+            tokens = train.inner.batch_size * train.inner.grad_accum * train.model.seq_len
+            self.ledger.record_trained(tokens)
+            self.stats.tokens += tokens
             if step % 10 == 0:
                 self.stats.losses.append((step, loss))
                 ev = LossMeasured(at=time.time(), step=step, split="train", loss=max(0.0, min(loss, 1e9)))
@@ -661,6 +686,7 @@ class Node:
                 if not pipeline:  # between rounds: nothing of ours is in flight
                     self._check_agreement(swarm)
                     worker = self.worker
+                self.stats.checks_s += time.monotonic() - now  # the loop waited on the swarm for all of it
             if self.cfg.max_rounds is not None and min(self.stats.rounds) >= self.cfg.max_rounds:
                 break
             if finish_at is not None and min(self.stats.rounds) >= finish_at:
@@ -684,7 +710,9 @@ class Node:
             "heldout_loss": heldout, "bytes_sent": self.stats.bytes_sent,
             "bytes_received": self.stats.bytes_received, "syncs": self.stats.syncs,
             "syncs_alone": self.stats.syncs_alone, "dropped_peers": self.stats.dropped_peers,
-            "waited_s": round(self.stats.waited_s, 3), "inner_s": round(self.stats.inner_s, 3),
+            "waited_s": round(self.stats.waited_s, 3), "checks_s": round(self.stats.checks_s, 3),
+            "blocked_s": round(self.stats.waited_s + self.stats.checks_s, 3),
+            "paused_s": round(self.stats.paused_s, 3), "inner_s": round(self.stats.inner_s, 3),
             "wall_s": round(wall, 3), "global_digest": global_digest(worker),
             "allreduce_s": [round(x, 3) for x in list(self.stats.allreduce_s)[-50:]],
         }
@@ -953,7 +981,7 @@ class Node:
         now = time.time()
         w = self.worker
         step = w.step if w else self._last_step()
-        tput = w.tokens / max(self.stats.inner_s, 1e-9) if w and self.state != "paused" else 0.0
+        tput = self._tokens_per_s()
         try:
             # behind a NAT, our listening addresses are no use to anyone: we are reached
             # through the relays we hold reservations on
