@@ -13,12 +13,13 @@ Per (N, tau, link) it prints and writes (JSON, with the machine and the commit):
   network (waiting at a landing step for a group or a late result, plus peer lookups,
   agreement checks and state downloads between steps), mean over peers; the figure that
   overlap (tau) and pipelined matchmaking exist to bring to 0;
-- effective utilization: sum over peers of (inner steps x bare step time) / wall time of the
-  run, where the bare step is measured in this process right before the run, with the same
-  model, batch and torch threads, and nothing else running. 1.0 means the swarm did as much
-  training per second as one process alone on the machine; shared cores or time blocked
-  lower it, and nothing makes it look better (the old "time in steps / time in the loop"
-  rose when peers slowed each other down, so it is gone);
+- effective utilization: sum over peers of (inner steps trained x bare step time) / the wall
+  time of the peer's training loop (start-up is left out), where the bare step is measured in
+  this process before and after the run (the fastest of four trials), with the same model,
+  batch and torch threads, and no node running. 1.0 means the swarm trained as much per
+  second as one process alone on the machine; shared cores or time blocked lower it, and
+  nothing makes it look better (the old "time in steps / time in the loop" rose when peers
+  slowed each other down, so it is gone);
 - bytes sent and received per peer per round (a round = one sync of every fragment), and
   what the butterfly arithmetic and the codec's exact sizes expect (no message overhead);
 - all-reduce latency, median and p90 over every sync of every peer (group formed to average
@@ -180,9 +181,9 @@ def expected_bytes_per_round(train: TrainConfig, n: int) -> float:
     return total
 
 
-def bare_step_s(train: TrainConfig, steps: int = 20, warmup: int = 3) -> float:
+def bare_step_s(train: TrainConfig, steps: int = 10, warmup: int = 3) -> float:
     """The median time of one inner step of this run's model and batch, alone in this process
-    (same torch threads as a node: torch's default), with nothing else of the bench running."""
+    (same torch threads as a node: torch's default), with no node running."""
     from peer.data import ShardSampler, load_corpus
     from peer.worker import Worker
 
@@ -209,7 +210,9 @@ def p90(xs: list[float]) -> float:
 def run_one(n: int, tau: int, args: argparse.Namespace, netns: bool) -> dict:
     work = Path(tempfile.mkdtemp(prefix="ss-bench-"))
     signed, train = run_manifest(work, tau, args.inner_steps, args.rounds, args.matchmaking_timeout, args.preset)
-    bare = bare_step_s(train)  # right before the run, on the same machine state
+    # the bare step, before and after the run: the fastest of the trials, since anything else
+    # on the machine only slows a trial down (and a slow bare step would flatter the swarm)
+    bare_trials = [bare_step_s(train), bare_step_s(train)]
     launcher = {i: ["ip", "netns", "exec", f"{NS}{i}"] for i in range(n)} if netns else None
     listen = {i: f"/ip4/{SUBNET}.{i + 1}/tcp/0" for i in range(n)} if netns else None
     demo = Demo(n, rounds=args.rounds, workdir=work, manifest=signed, launcher=launcher, listen=listen,
@@ -237,6 +240,8 @@ def run_one(n: int, tau: int, args: argparse.Namespace, netns: bool) -> dict:
             teardown()
         PIDFILE.unlink(missing_ok=True)
 
+    bare_trials += [bare_step_s(train), bare_step_s(train)]
+    bare = min(bare_trials)
     s = [demo.summaries[i] for i in sorted(demo.summaries)]
     lat = [x for p in s for x in p["allreduce_s"]]
     syncs = sum(p["syncs"] for p in s)
@@ -248,9 +253,10 @@ def run_one(n: int, tau: int, args: argparse.Namespace, netns: bool) -> dict:
         "wall_s": wall, "train_s": statistics.mean(p["wall_s"] for p in s) if s else float("nan"),
         "rounds": summary["rounds"], "steps_per_peer": steps / max(1, len(s)),
         "step_ms": 1e3 * sum(p["inner_s"] for p in s) / max(1, steps), "bare_step_ms": 1e3 * bare,
+        "bare_step_trials_ms": [round(1e3 * t, 2) for t in bare_trials],
         "blocked_share": statistics.mean(p["blocked_s"] / p["wall_s"] for p in s) if s else float("nan"),
         "blocked_at_sync_share": statistics.mean(p["waited_s"] / p["wall_s"] for p in s) if s else float("nan"),
-        "effective_utilization": steps * bare / max(1e-9, wall),
+        "effective_utilization": sum(p["steps_trained"] * bare / max(1e-9, p["wall_s"]) for p in s),
         "sent_kb_per_round": statistics.mean(p["bytes_sent"] / r for p, r in zip(s, rounds)) / 1e3 if s else 0.0,
         "recv_kb_per_round": statistics.mean(p["bytes_received"] / r for p, r in zip(s, rounds)) / 1e3 if s else 0.0,
         "expected_kb_per_round": expected_bytes_per_round(train, n) / 1e3,

@@ -1,0 +1,161 @@
+"""Agreement and repair: a node compares its global state with what its peers vouch for, and
+downloads the swarm's state when it is behind (joining, after a pause) or holds a minority
+copy (averaged alone or cut off), and serves its own state to others."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from peer.globalstate import StateSyncError, apply, choose_digest, snapshot
+from peer.network import NetworkError
+from peer.node.config import STATE_INDEX_ATTEMPTS
+from peer.statesync import current_indexes, fetch_state
+from peer.worker import Worker
+from protocol.identity import peer_id_from_public_key
+
+log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
+
+
+class CatchUpMixin:
+    """Catch-up, repair and state download of ``peer.node.Node`` (a part of it)."""
+
+    def _check_agreement(self, swarm, *, joining: bool = False) -> None:
+        """Catch up or repair. Download the state that peers vouch for if it is ahead of ours
+        (when joining, by any round; while training, by two or more, since peers in lockstep
+        differ by one for a moment after each round), then start our schedule where they are.
+        Or, if at our rounds more peers vouch for another state than for ours (we averaged
+        alone or with a minority), download theirs and keep our step. Nobody diverges silently."""
+        peers = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=30)
+        self._update_peers(peers)
+        peers.pop(self.identity.public_key, None)
+        mine = min(self.stats.rounds, default=0)
+        # behind by one round counts when joining, before our first download, or after we
+        # averaged alone (we are the straggler); in lockstep, peers differ by one for a moment
+        lag = 1 if joining or not self._caught_up or self._repair_due else 2
+        ahead = {k: hb.state_digest for k, hb in peers.items()
+                 if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
+        choice = choose_digest(ahead)
+        if choice is not None:
+            log.info("peers are ahead of round %d; downloading their state", mine)
+            self._download(swarm, choice[1], peers, fast_forward=True)
+            return
+        if joining and not ahead:
+            self._caught_up = True  # nobody is ahead of us: we start in step with the swarm
+        if not (self.state_digest and self._repair_due):
+            return  # peers in other groups differ from us by design; their averages mix next rounds
+        same = {k: hb.state_digest for k, hb in peers.items()
+                if hb.state_digest and tuple(hb.rounds) == tuple(self.stats.rounds)}
+        same[self.identity.public_key] = self.state_digest
+        # the most vouched-for state wins; a tie goes to the smallest digest, the same choice on
+        # every peer, so two peers that each averaged alone converge on one of their states
+        if len(same) == 1:
+            return  # nobody's heartbeat shows our rounds yet: compare at a later check
+        choice = choose_digest(same, min_vouchers=1)
+        if choice is None or choice[0] == self.state_digest:
+            self._repair_due = False  # ours is the state to keep
+            return
+        ours = sum(1 for d in same.values() if d == self.state_digest)
+        self._repair_due = False
+        if len(choice[1]) >= ours:
+            log.warning("global state differs from %d peers at rounds %s; downloading theirs",
+                        len(choice[1]), self.stats.rounds)
+            # fast-forward: take their next landing and start right before their next sync, so
+            # we are back in step with them in time too, not only in state
+            self._download(swarm, choice[1], peers, fast_forward=True)
+
+    def _current_state(self, swarm, donors: list[str], newer_than: tuple[int, ...] | None = None,
+                       wait_s: float = 0.0) -> tuple[bytes, list[str], tuple[int, ...]]:
+        """The digest of the state that the most of ``donors`` serve now (two or more of them when
+        two or more answer), the donors serving it, and its rounds. With ``newer_than``, poll up to
+        ``wait_s`` seconds for a state past those rounds (the swarm's next landing)."""
+        deadline = time.monotonic() + wait_s
+        attempt = 0
+        while True:
+            served = self.net.call(current_indexes(self.net.p2p, self.identity, self.run_id, donors,
+                                                   timeout_s=swarm.state_chunk_timeout_s),
+                                   timeout=swarm.state_chunk_timeout_s + 10)
+            by_digest: dict[bytes, list[str]] = {}
+            for donor, (digest, _) in served.items():
+                by_digest.setdefault(digest, []).append(donor)
+            if not by_digest:
+                raise StateSyncError(f"none of {len(donors)} donors answered with a state index")
+            digest, serving = max(by_digest.items(), key=lambda kv: (len(kv[1]), sum(served[kv[1][0]][1].rounds)))
+            rounds = tuple(served[serving[0]][1].rounds)
+            agreed = len(serving) >= min(2, len(served))
+            if agreed and (newer_than is None or sum(rounds) > sum(newer_than)):
+                return digest, serving, rounds
+            attempt += 1
+            # donors caught mid-landing serve two consecutive states for a moment; or we wait
+            # for the round in flight to land
+            if attempt >= STATE_INDEX_ATTEMPTS and time.monotonic() >= deadline:
+                raise StateSyncError(f"donors disagree on the state ({len(by_digest)} different ones)"
+                                     if not agreed else "the swarm did not land a new round in time")
+            if self.stop_event.wait(0.25):
+                raise StateSyncError("stopped")
+
+    def _download(self, swarm, vouchers: list[bytes], peers: dict, *, fast_forward: bool) -> None:
+        """Download the global state that the most of ``vouchers`` serve now and load it. To catch
+        up (``fast_forward``), take the state of the swarm's *next* landing: the swarm is already
+        matching peers for the round in flight, and a state from before it would always leave us
+        one round late. We idle for at most one round, then start in step with everyone."""
+        worker = self.worker
+        previous = self.state
+        self.state = "syncing"
+        t0 = time.perf_counter()
+        try:
+            donors = [peer_id_from_public_key(v) for v in vouchers]
+            digest, serving, rounds = self._current_state(swarm, donors)
+            if fast_forward:
+                digest, serving, rounds = self._current_state(
+                    swarm, serving, newer_than=rounds, wait_s=swarm.matchmaking_timeout_s + swarm.allreduce_timeout_s)
+            self.on_event({"event": "syncing_state", "donors": len(serving)})
+            label = f"downloading the global state from {len(serving)} peers"
+            self._progress = (0.0, label)
+
+            def progress(done: int, total: int) -> None:  # on the network thread; the dashboard polls it
+                self._progress = (done / total if total else 1.0, label)
+
+            state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, serving, digest,
+                                              chunk_timeout_s=swarm.state_chunk_timeout_s, progress=progress),
+                                  timeout=swarm.state_chunk_timeout_s * 8 + 60)
+        except (StateSyncError, NetworkError) as e:
+            log.warning("state sync failed reason=%s; training from round %s", e, self.stats.rounds)
+            self.state = previous if previous != "joining" else "training"
+            return
+        finally:
+            self._progress = None
+        if fast_forward:
+            # what we trained since our latest contribution is replaced by the swarm's state:
+            # say so, and count it in the ledger (nothing is dropped silently)
+            dropped = worker.step - min(self._sync_started_at, default=worker.step)
+            if dropped > 0:
+                log.warning("dropped %d local inner steps trained since our last contribution: the run moved on "
+                            "to rounds %s while we were away", dropped, list(state.rounds))
+                self.ledger.record_dropped(dropped)
+        if self._pipeline is not None:
+            self._pipeline.rebase()  # refuses with syncs in flight: a landing would apply to the replaced copy
+        apply(worker, state)
+        self.stats.rounds = list(state.rounds)
+        self.state_digest = digest
+        self._caught_up, self._repair_due = True, False
+        if fast_forward:
+            # the donors just landed this state and train toward the next sync its rounds imply:
+            # start right before it, so our next step meets them in that round's matchmaking
+            sched = worker.schedule
+            next_sync = min(sched.offset(p) + r * sched.inner_steps for p, r in enumerate(state.rounds))
+            worker.step = max(state.step, next_sync - 1)
+            self._sync_started_at = [worker.step] * len(worker.outer)
+        else:
+            worker.step = max(worker.step, state.step)
+        self.state = previous if previous != "joining" else "training"
+        self.on_event({"event": "state_synced", "rounds": list(state.rounds), "step": worker.step,
+                       "seconds": round(time.perf_counter() - t0, 3)})
+
+    def _publish_state(self, worker: Worker) -> None:
+        """Serve the global state as of this landing and vouch for it. Peers that averaged in the
+        same groups land the same fragments in the same order, so they serve identical states
+        (and digests) at each landing; a joiner gets the swarm's newest state, not the last
+        full round's."""
+        state = snapshot(worker, self.stats.rounds)
+        self._publishing = self.net.submit(self.state_server.publish(state))

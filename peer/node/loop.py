@@ -1,0 +1,366 @@
+"""A swarm peer: trains with the engine and averages fragments with other peers.
+
+One process, two threads. The main thread runs the plain training loop of ``peer.worker``;
+the network thread (``peer.network``) runs hivemind's P2P and DHT, the matchmaker and the
+averager. When fragment p's sync starts after step s, its pseudo-gradient is handed to the
+network thread and training goes on; after step s + tau the node waits for the average only
+if it is late, and measures that wait (``waited_s``). A sync whose group never formed or
+whose all-reduce failed lands the node's *own* pseudo-gradient, so a lone or cut-off peer
+keeps training on its own outer steps (and is counted in ``syncs_alone``).
+
+The node also serves its control socket (``peer.control``): status, events for the dashboard,
+and the volunteer's commands. Pause lands the syncs in flight, writes a checkpoint and drops
+the model (freeing the accelerator), and keeps announcing itself as paused, so no group waits
+for it; resume rebuilds the model from the checkpoint, catches up with the swarm if it moved
+on (and says how many local steps that dropped), and trains on. Finish-then-stop trains to
+the end of the current round, contributes it and exits. The volunteer's settings
+(``protocol.settings``) apply at once where they can: bandwidth caps, threads, schedule.
+
+Rounds are counted per fragment from the schedule: round r of fragment p starts after step
+``offset_p + r*H``. Peers meet in matchmaking by (fragment, round), so peers that train at
+similar speed average together; a much slower peer finds no group and averages alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from peer.allreduce import Averager
+from peer.control import ControlServer
+from peer.credit import CreditLedger
+from peer.identity_store import load_or_create_identity
+from peer.matchmaking import Matchmaker
+from peer.network import Network, NetworkConfig
+from peer.node.catchup import CatchUpMixin
+from peer.node.config import (
+    CONFIRM_REASON,
+    NodeConfig,
+    NodeStats,
+    global_digest,
+    lock_identity,
+)
+from peer.node.peers import PeersMixin
+from peer.node.syncs import SyncMixin
+from peer.node.volunteer import VolunteerMixin, _LogToControl
+from peer.node.worker_state import WorkerStateMixin
+from peer.presence import Presence
+from peer.ratelimit import RateLimiter
+from peer.settings_store import load_settings
+from peer.statesync import StateServer
+from peer.sync_pipeline import SyncPipeline
+from peer.worker import Worker
+from protocol.manifest import SignedManifest, open_manifest
+from protocol.messages import Message
+from protocol.messages_control import (
+    LossMeasured,
+    StateChanged,
+)
+from protocol.messages_swarm import Heartbeat
+from protocol.settings import Settings
+
+log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
+
+
+class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin):
+    def __init__(self, cfg: NodeConfig, *, manifest_bytes: bytes | None = None, run_id: bytes | None = None,
+                 on_event: Callable[[dict], None] | None = None):
+        if manifest_bytes is None and run_id is None:
+            raise ValueError("a node needs a manifest or a run ID")
+        self.cfg = cfg
+        self.on_event = on_event or (lambda event: None)
+        self.settings = load_settings(cfg.settings_path) if cfg.settings_path else Settings()
+        self.identity = load_or_create_identity(cfg.identity_path)
+        self._lock_fd = lock_identity(cfg.identity_path)
+        self.stop_event = threading.Event()
+        self._wake = threading.Event()  # pauses and waits end early on a command
+        self.stats = NodeStats()
+        self._state = "joining"
+        self.started_at = time.time()
+        self.worker: Worker | None = None
+        self.sampler: Any = None
+        self.ledger: CreditLedger | None = None
+        self.signed: SignedManifest | None = None
+        # what the volunteer asked for (set from the control thread, read by the training thread)
+        self._user_paused = False
+        self._pause_reason = CONFIRM_REASON if self._awaiting_confirm() else ""
+        self._finish_requested = False
+        self._leave_requested = False
+        self._settings_changed = True
+        self._progress: tuple[float, str] | None = None
+        self._loop_t0 = 0.0  # when the training loop started (perf_counter)
+        self._pipeline: SyncPipeline | None = None  # the fragment syncs in flight (run() makes it)
+        # what the dashboard sees on subscribing
+        self._peers: dict[bytes, Heartbeat] = {}
+        self._peers_future: Any = None
+        self._reconnecting: Any = None
+        self._relay_routes: dict[str, list[str]] = {}  # peer ID -> its circuit addresses (peers behind NAT)
+        self._recent: deque[Message] = deque(maxlen=300)
+        self._loss_history: deque[Message] = deque(maxlen=400)
+        self._log_history: deque[Message] = deque(maxlen=200)
+        self.upload_limiter, self.download_limiter = RateLimiter(), RateLimiter()
+        self._apply_caps()
+        self._maddrs: list[str] = []  # our dialable addresses (status reads them from the first request on)
+        self.control: ControlServer | None = None
+        self._log_handler: logging.Handler | None = None
+        try:
+            if cfg.control_path is not None:
+                self.control = ControlServer(cfg.control_path, self)
+                self.control.start()
+                self._log_handler = _LogToControl(self)
+                logging.getLogger().addHandler(self._log_handler)
+            self.net = Network(NetworkConfig(identity_path=str(cfg.identity_path), host_maddrs=cfg.host_maddrs,
+                                             initial_peers=cfg.initial_peers, announce_maddrs=cfg.announce_maddrs,
+                                             reachability=cfg.reachability))
+        except BaseException:
+            self._release()
+            raise
+        try:
+            assert self.net.dht is not None and self.net.p2p is not None
+            self.presence = Presence(self.net.dht, self.identity)
+            if manifest_bytes is not None:
+                self.signed = open_manifest(manifest_bytes, run_id=run_id)
+                self.manifest_bytes = manifest_bytes
+            else:
+                self.signed, self.manifest_bytes = self.net.call(self.presence.fetch_manifest(run_id), timeout=60)
+            self.run_id = self.signed.run_id
+            self.net.call(self.presence.publish_manifest(self.manifest_bytes, self.run_id), timeout=30)
+            swarm = self.signed.manifest.swarm
+            self.averager = Averager(self.net.p2p, self.identity, self.run_id, upload=self.upload_limiter,
+                                     download=self.download_limiter)
+            self.averager.reconnect = self._reconnect_relayed
+            self.net.call(self.averager.start(), timeout=30)
+            self.matchmaker = Matchmaker(self.net.dht, self.identity, self.run_id, swarm)
+            self.state_server = StateServer(self.net.p2p, self.identity, self.run_id,
+                                            chunk_bytes=swarm.state_chunk_bytes)
+            self.net.call(self.state_server.start(), timeout=30)
+            self.ledger = CreditLedger(self.cfg.data_dir / self.signed.run_id_text / "credit.json")
+            self.state_digest = b""
+            self._publishing = None
+            self._alone_this_round = False  # averaged alone since our last full round
+            self._repair_due = False  # the last full round had a lone sync: compare with the majority
+            self._caught_up = False  # joined the swarm's state (or found nobody ahead); until then lag 1
+            self._sync_started_at: list[int] = []  # step of each fragment's latest contribution
+            self._maddrs = self.net.visible_maddrs()
+        except BaseException:
+            self.net.close()
+            self._release()
+            raise
+
+    # --- state, events, the control socket ----------------------------------------------
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, new: str) -> None:
+        old, self._state = self._state, new
+        if new != old:
+            reason = self._pause_reason if new == "paused" else ""
+            self._emit(StateChanged(at=time.time(), old=old, new=new, reason=reason))
+            self.on_event({"event": "state", "state": new, "reason": reason})
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+    # --- the loop --------------------------------------------------------------------------
+
+
+
+
+
+
+    def _pause_wanted(self) -> str:
+        if self._awaiting_confirm():
+            return CONFIRM_REASON
+        if self._user_paused:
+            return self._pause_reason or "paused by you"
+        return self._conditions_reason()
+
+    def _pause(self, pipeline: SyncPipeline, swarm) -> None:
+        """Land what is in flight (contributed, never dropped), release the accelerator, and
+        stay announced as paused until resumed or stopped; then rebuild and catch up."""
+        for sync in pipeline.drain():
+            self._land(sync, swarm)
+        self._release_worker()
+        self.state = "paused"
+        log.info("paused reason=%s", self._pause_reason)
+        self._wake.clear()
+        while not self.stop_event.is_set() and not self._finish_requested:
+            self._beat(swarm)
+            self._refresh_peers(swarm)
+            reason = self._pause_wanted()
+            if not reason:
+                break
+            self._pause_reason = reason
+            self._wake.wait(swarm.heartbeat_interval_s)
+            self._wake.clear()
+        if self.stop_event.is_set() or self._finish_requested:
+            self._build_worker()  # exit with the model loaded: the summary evaluates it
+            return
+        self.state = "syncing"
+        self._build_worker()
+        self._check_agreement(swarm, joining=True)  # the run may have moved on while we were away
+        self.state = "training"
+        log.info("resumed step=%d rounds=%s", self.worker.step, self.stats.rounds)
+
+    def run(self) -> dict:
+        """Train until stopped (``stop()``, Ctrl+C, a command, or ``max_rounds``); returns the summary."""
+        train = self.signed.manifest.train
+        swarm = self.signed.manifest.swarm
+        self._ckpt = self.cfg.data_dir / self.signed.run_id_text / "checkpoint"
+        self._corpus = None
+        self._build_worker()
+        worker = self.worker
+        self._wait_for_peers(swarm)
+        self._check_agreement(swarm, joining=True)  # late join, restart: catch up first
+        pipeline = self._pipeline = SyncPipeline(worker.schedule)
+        last_beat = last_ckpt = 0.0
+        finish_at: int | None = None
+        t_start = self._loop_t0 = time.perf_counter()
+        self.state = "training"
+        while not self.stop_event.is_set():
+            if self._settings_changed:
+                self._apply_settings()
+            if finish_at is None and self._finish_requested:
+                finish_at = min(self.stats.rounds) + 1
+                self.state = "finishing"
+                log.info("finishing: stopping after round %d", finish_at - 1)
+            reason = self._pause_wanted() if finish_at is None else ""
+            if reason:
+                self._pause_reason = reason
+                t_pause = time.perf_counter()
+                self._pause(pipeline, swarm)
+                self.stats.paused_s += time.perf_counter() - t_pause
+                if self.stop_event.is_set():
+                    break
+                if self._finish_requested:
+                    break  # paused when asked to finish: nothing is in flight, so we are done
+                worker, last_beat = self.worker, 0.0
+                continue
+            t0 = time.perf_counter()
+            loss = worker.forward_backward(self._micro_batches())
+            worker.optimizer_step()
+            dt = time.perf_counter() - t0
+            self.stats.inner_s += dt
+            self.stats.step_times.append(dt)
+            self.stats.inner_steps += 1
+            step = worker.step
+            tokens = train.inner.batch_size * train.inner.grad_accum * train.model.seq_len
+            self.ledger.record_trained(tokens)
+            self.stats.tokens += tokens
+            if step % 10 == 0:
+                self.stats.losses.append((step, loss))
+                ev = LossMeasured(at=time.time(), step=step, split="train", loss=max(0.0, min(loss, 1e9)))
+                self._loss_history.append(ev)
+                self._emit(ev)
+            for p, r in pipeline.starts(step):
+                delta, weight = worker.begin_sync(p)
+                self._sync_started_at[p] = step
+                pipeline.start(p, r, step, (self.net.submit(self._average(p, r, delta, weight)), delta, weight))
+                if self.state == "training":
+                    self.state = "averaging"
+            for sync in pipeline.due(step):  # what is in flight decides, so a sync landed early by a pause is gone
+                self._land(sync, swarm)
+                self._publish_state(worker)
+                if sync.fragment == len(worker.outer) - 1:  # the last fragment landed: a full round
+                    self._full_round(worker, last_ckpt)
+                    if time.monotonic() - last_ckpt >= self.cfg.checkpoint_every_s:
+                        last_ckpt = time.monotonic()
+                        self._save()
+            if not pipeline and self.state == "averaging":
+                self.state = "training"
+            now = time.monotonic()
+            if now - last_beat >= swarm.heartbeat_interval_s:
+                last_beat = now
+                self._beat(swarm)
+                self._refresh_peers(swarm)
+                if not pipeline:  # between rounds: nothing of ours is in flight
+                    self._check_agreement(swarm)
+                    worker = self.worker
+                self.stats.checks_s += time.monotonic() - now  # the loop waited on the swarm for all of it
+            if self.cfg.max_rounds is not None and min(self.stats.rounds) >= self.cfg.max_rounds:
+                break
+            if finish_at is not None and min(self.stats.rounds) >= finish_at:
+                break
+        self.state = "leaving" if self._leave_requested else "finishing"
+        if self._leave_requested:  # leave now: the rounds in flight are abandoned, and we say so
+            for sync in pipeline.abandon():
+                sync.handle[0].cancel()
+                log.warning("left the run: the sync of fragment %d round %d was abandoned", sync.fragment, sync.round)
+                self.ledger.record_sync(0, acknowledged=False)
+        for sync in pipeline.finish():  # contribute what was started; never drop it silently
+            self._land(sync, swarm)
+        worker = self.worker
+        self._save()
+        self.ledger.save()
+        wall = time.perf_counter() - t_start
+        heldout = self._evaluate(worker)
+        return {
+            "peer": self.identity.peer_id, "steps": worker.step, "steps_trained": self.stats.inner_steps, "tokens": worker.tokens,
+            "rounds": min(self.stats.rounds) if self.stats.rounds else 0,
+            "heldout_loss": heldout, "bytes_sent": self.stats.bytes_sent,
+            "bytes_received": self.stats.bytes_received, "syncs": self.stats.syncs,
+            "syncs_alone": self.stats.syncs_alone, "dropped_peers": self.stats.dropped_peers,
+            "waited_s": round(self.stats.waited_s, 3), "checks_s": round(self.stats.checks_s, 3),
+            "blocked_s": round(self.stats.waited_s + self.stats.checks_s, 3),
+            "paused_s": round(self.stats.paused_s, 3), "inner_s": round(self.stats.inner_s, 3),
+            "wall_s": round(wall, 3), "global_digest": global_digest(worker),
+            "allreduce_s": [round(x, 3) for x in list(self.stats.allreduce_s)[-50:]],
+        }
+
+
+
+
+
+
+
+
+
+
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def close(self) -> None:
+        for part in (self.averager, self.state_server):
+            try:
+                self.net.call(part.shutdown(), timeout=5)
+            except Exception as e:
+                log.warning("shutdown was not clean part=%s reason=%r", type(part).__name__, e)
+        self.net.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Close the control socket and drop the identity lock (also when __init__ failed)."""
+        if self._log_handler is not None:
+            logging.getLogger().removeHandler(self._log_handler)
+            self._log_handler = None
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -1,0 +1,136 @@
+"""A node's view of its run's peers: its heartbeat and the run's advertisement, the live peers
+read from the DHT (without blocking training), reconnecting when alone, reaching peers behind
+a NAT through their relays, and waiting for a starting swarm."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+from peer import conditions
+from protocol import __version__
+from protocol.identity import peer_id_from_public_key
+from protocol.messages_control import (
+    PeerJoined,
+    PeerLeft,
+)
+from protocol.messages_swarm import Heartbeat, RunAdvertised
+
+log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
+
+
+class PeersMixin:
+    """The peers view and presence of ``peer.node.Node`` (a part of it)."""
+
+    def _refresh_peers(self, swarm) -> None:
+        """Diff the run's live peers against the last view (without blocking training: the DHT
+        read runs on the network thread and is picked up at the next heartbeat)."""
+        fut = self._peers_future
+        if fut is not None and fut.done():
+            try:
+                live = fut.result()
+            except Exception as e:
+                log.info("could not read the peers reason=%r", e)
+                live = None
+            if live is not None:
+                self._update_peers(live)
+            self._peers_future = None
+        if self._peers_future is None:
+            self._peers_future = self.net.submit(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s))
+        if not self._peers and (self._reconnecting is None or self._reconnecting.done()):
+            self._reconnecting = self.net.submit(self.net.reconnect())  # alone: maybe we lost the network
+
+    def _update_peers(self, live: dict[bytes, Heartbeat]) -> None:
+        """Take a read of the run's heartbeats as the new view. A peer leaves the view when its
+        last heartbeat expires, not when one read misses it: a DHT read under load can come back
+        short or empty, and that is no reason to show every peer as gone."""
+        now = time.time()
+        ttl = self.signed.manifest.swarm.heartbeat_ttl_s if self.signed else 0.0
+        live = {k: hb for k, hb in live.items() if k != self.identity.public_key}
+        for k, hb in self._peers.items():
+            if k not in live and now - hb.sent_at <= ttl:
+                live[k] = hb  # not in this read, but its last heartbeat is still fresh
+        for k in self._peers.keys() - live.keys():
+            self._remember(PeerLeft(at=now, peer_id=peer_id_from_public_key(k), reason="heartbeat expired"))
+        for k, hb in live.items():
+            if k not in self._peers:
+                self._remember(PeerJoined(at=now, peer_id=peer_id_from_public_key(k), device=hb.device))
+            self._emit(self._peer_row(k, hb, now))
+        # peers nobody can dial, and the relays that reach them (not through ourselves)
+        me = f"/p2p/{self.identity.peer_id}/p2p-circuit"
+        self._relay_routes = {peer_id_from_public_key(k): [m for m in hb.maddrs if "/p2p-circuit" in m and me not in m]
+                              for k, hb in live.items() if not hb.reachable}
+        self._peers = live
+
+    async def _reconnect_relayed(self, peer_id: str) -> bool:
+        """The averager could not open a stream to ``peer_id``: if it is behind a NAT, connect
+        to it through its relays. Only on such a failure: dialing circuits on every heartbeat
+        put libp2p dial backoffs on the relays and dropped group members."""
+        routes = self._relay_routes.get(peer_id)
+        if not routes:
+            return False
+        ok = await self.net.connect_relayed(peer_id, routes)
+        log.info("%s peer=%s through its relays", "connected to" if ok else "could not reach", peer_id)
+        return ok
+
+    def _wait_for_peers(self, swarm) -> None:
+        if self.cfg.min_peers <= 1:
+            return
+        deadline = time.monotonic() + self.cfg.min_peers_wait_s
+        self._beat(swarm)
+        last_beat = time.monotonic()
+        while not self.stop_event.is_set() and time.monotonic() < deadline:
+            live = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=30)
+            self._update_peers(live)
+            if len(live) >= self.cfg.min_peers:
+                return
+            if time.monotonic() - last_beat >= swarm.heartbeat_interval_s:
+                self._beat(swarm)
+                last_beat = time.monotonic()
+            self.stop_event.wait(0.5)  # poll the DHT; Ctrl+C ends the wait at once
+        log.warning("started with fewer peers than min_peers=%d after %.0f s", self.cfg.min_peers,
+                    self.cfg.min_peers_wait_s)
+
+    def _beat(self, swarm) -> None:
+        if self._publishing is not None and self._publishing.done():
+            try:
+                self.state_digest = self._publishing.result()
+            except Exception as e:
+                log.warning("could not serve the global state reason=%r", e)
+            self._publishing = None
+        now = time.time()
+        w = self.worker
+        step = w.step if w else self._last_step()
+        tput = self._tokens_per_s()
+        try:
+            # behind a NAT, our listening addresses are no use to anyone: we are reached
+            # through the relays we hold reservations on
+            self._maddrs = (self.net.relay_maddrs() if self.cfg.reachability == "private"
+                            else self.net.visible_maddrs())
+        except Exception as e:
+            log.info("could not read our addresses reason=%r", e)
+        hb = Heartbeat(run_id=self.run_id, sent_at=now, state=self.state, step=step,
+                       tokens=self.ledger.credit.tokens_trained, tokens_per_s=tput, rounds=tuple(self.stats.rounds),
+                       state_digest=self.state_digest, reachable=self.reachability() == "direct",
+                       maddrs=tuple(self._maddrs)[:8], client=f"swarmstream/{__version__}",
+                       device=self._device_name() or "none")
+        self.net.submit(self.presence.announce(hb, swarm.heartbeat_ttl_s))
+        ad = RunAdvertised(run_id=self.run_id, sent_at=now, name=self.signed.manifest.name,
+                           num_params=self.signed.manifest.train.model.num_params(), peers=len(self._peers) + 1,
+                           step=step)
+        self.net.submit(self.presence.advertise(ad, swarm.heartbeat_ttl_s))
+
+    def _conditions_reason(self) -> str:
+        sched = self.settings.schedule
+        if not (sched.window or sched.only_on_ac_power or sched.only_when_idle):
+            return ""
+        now = datetime.datetime.now()
+        mains = conditions.on_mains_power() if sched.only_on_ac_power else None
+        idle = conditions.user_idle_s() if sched.only_when_idle else None
+        if sched.only_on_ac_power and mains is None or sched.only_when_idle and idle is None:
+            if not getattr(self, "_told_unsupported", False):
+                self._told_unsupported = True
+                log.warning("this machine does not tell whether it is %s; that setting is not enforced",
+                            "on mains power" if mains is None and sched.only_on_ac_power else "idle")
+        return conditions.pause_reason(sched, now.hour * 60 + now.minute, mains, idle)

@@ -1,0 +1,104 @@
+"""One fragment sync of a node, from its group to its landing: form a group and all-reduce
+(on the network thread), then apply the average, or the node's own update when it averaged
+alone, and count what happened."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import signal
+import time
+
+import torch
+
+from peer.node.config import (
+    _fault_due,
+)
+from peer.sync_pipeline import InFlight
+from protocol.butterfly import slice_bounds
+from protocol.messages_control import (
+    FragmentSynced,
+    FragmentSyncFailed,
+)
+
+log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
+
+
+class SyncMixin:
+    """Averaging and landing of ``peer.node.Node`` (a part of it)."""
+
+    async def _average(self, fragment: int, round_: int, delta: torch.Tensor, weight: float):
+        """Form a group for (fragment, round) and all-reduce; None means average alone."""
+        codec = self.signed.manifest.train.sync.codec
+        delay = await self.matchmaker.align_delay(fragment, round_, delta.numel())
+        if delay > 0:  # we are ahead of peers we missed last round: meet them this time
+            log.info("waiting to meet peers that reach this round later fragment=%d round=%d delay_s=%.2f",
+                     fragment, round_, delay)
+            await asyncio.sleep(delay)
+        group = await self.matchmaker.form_group(fragment, round_, float(weight), delta.numel(), codec)
+        if group is None:
+            return None
+        if _fault_due(fragment, round_):  # tests: vanish mid-round, as with kill -9
+            os.kill(os.getpid(), signal.SIGKILL)
+        outcome = await self.averager.allreduce(group, delta, float(weight))
+        # A slice whose reducer failed has no agreed mean. Keep that slice of the *global* copy
+        # where it was (a zero averaged delta): every surviving member does the same, so they
+        # still hold bit-identical global copies. (Using each member's own delta there would
+        # make them diverge, with no majority to repair from.)
+        bounds = slice_bounds(delta.numel(), len(group.members))
+        for part in outcome.fallback_parts:
+            start, end = bounds[part]
+            outcome.average[start:end] = 0.0
+        return outcome, len(group.members)
+
+    def _land(self, sync: InFlight, swarm) -> None:
+        worker = self.worker
+        fragment, round_ = sync.fragment, sync.round
+        fut, delta, weight = sync.handle
+        t0 = time.perf_counter()
+        reason = ""
+        try:
+            result = fut.result(timeout=swarm.matchmaking_timeout_s + swarm.allreduce_timeout_s + 30)
+            if result is None:
+                reason = "no group formed: averaged alone"
+        except Exception as e:  # a failed round must not stop training: average alone
+            log.warning("sync failed fragment=%d round=%d reason=%r; applying own update", fragment, round_, e)
+            result, reason = None, f"all-reduce failed: {e!r}"
+        waited = time.perf_counter() - t0
+        self.stats.waited_s += waited
+        self.stats.syncs += 1
+        outcome = None if result is None else result[0]
+        if outcome is None:
+            self.stats.syncs_alone += 1
+            self._alone_this_round = True
+            avg = delta
+            self._remember(FragmentSyncFailed(at=time.time(), fragment=fragment, round=round_, reason=reason[:256]))
+        else:
+            avg = outcome.average
+            if outcome.dropped or outcome.partial_parts:  # members that timed out on each other (we
+                self._alone_this_round = True  # or another) may land different averages: compare after
+            self.stats.bytes_sent += outcome.bytes_sent
+            self.stats.bytes_received += outcome.bytes_received
+            self.stats.dropped_peers += len(outcome.dropped)
+            self.stats.allreduce_s.append(outcome.elapsed_s)
+            size = result[1]
+            self._remember(FragmentSynced(
+                at=time.time(), fragment=fragment, round=round_, group_size=size,
+                contributors=max(1, size - len(outcome.dropped)), weight=float(weight),
+                duration_s=outcome.elapsed_s, waited_s=waited, bytes_sent=outcome.bytes_sent,
+                bytes_received=outcome.bytes_received))
+        self.stats.traffic.append((time.monotonic(), self.stats.bytes_sent, self.stats.bytes_received))
+        # a fragment's weight counts every token since its last sync, and each of the P fragments
+        # carries those same tokens for its 1/P of the model: credit 1/P of them per fragment
+        self.ledger.record_sync(int(weight) // len(worker.outer), acknowledged=outcome is not None)
+        worker.apply_outer(fragment, avg)
+        self.stats.rounds[fragment] = round_ + 1
+        last_loss = self.stats.losses[-1][1] if self.stats.losses else float("nan")
+        self.on_event({"event": "synced", "fragment": fragment, "round": round_, "step": worker.step,
+                       "alone": outcome is None, "dropped": 0 if outcome is None else len(outcome.dropped),
+                       "group_size": 1 if result is None else result[1],
+                       "digest": hashlib.sha256(worker.outer[fragment].global_flat.numpy().tobytes()).hexdigest()[:16],
+                       "train_loss": round(last_loss, 4)})
+        log.info("fragment synced fragment=%d round=%d alone=%s", fragment, round_, outcome is None)
