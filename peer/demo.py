@@ -165,6 +165,7 @@ class Demo:
             "heldout_loss": round(sum(x["heldout_loss"] for x in s) / len(s), 4) if s else None,
             "bytes_sent_per_peer": int(sum(x["bytes_sent"] for x in s) / len(s)) if s else 0,
             "syncs_alone": sum(x["syncs_alone"] for x in s),
+            "dropped_peers": sum(x["dropped_peers"] for x in s),
             "global_copies_agree": agree, "compared_at_round": agreed_round,
             "errors": [self.errors[i] for i in sorted(self.errors)],
             "workdir": str(self.dir),
