@@ -181,13 +181,12 @@ def expected_bytes_per_round(train: TrainConfig, n: int) -> float:
     return total
 
 
-def bare_step_s(train: TrainConfig, steps: int = 10, warmup: int = 3) -> float:
+def bare_step_s(train: TrainConfig, corpus, steps: int = 10, warmup: int = 3) -> float:
     """The median time of one inner step of this run's model and batch, alone in this process
     (same torch threads as a node: torch's default), with no node running."""
-    from peer.data import ShardSampler, load_corpus
+    from peer.data import ShardSampler
     from peer.worker import Worker
 
-    corpus = load_corpus(train.data, train.model.vocab_size)
     sampler = ShardSampler(corpus.train, train.model.seq_len, train.inner.batch_size, train.data.seed, "bench")
     worker = Worker(train, device="cpu")
     times = []
@@ -212,7 +211,10 @@ def run_one(n: int, tau: int, args: argparse.Namespace, netns: bool) -> dict:
     signed, train = run_manifest(work, tau, args.inner_steps, args.rounds, args.matchmaking_timeout, args.preset)
     # the bare step, before and after the run: the fastest of the trials, since anything else
     # on the machine only slows a trial down (and a slow bare step would flatter the swarm)
-    bare_trials = [bare_step_s(train), bare_step_s(train)]
+    from peer.data import load_corpus
+
+    corpus = load_corpus(train.data, train.model.vocab_size)  # read once for the four trials
+    bare_trials = [bare_step_s(train, corpus), bare_step_s(train, corpus)]
     launcher = {i: ["ip", "netns", "exec", f"{NS}{i}"] for i in range(n)} if netns else None
     listen = {i: f"/ip4/{SUBNET}.{i + 1}/tcp/0" for i in range(n)} if netns else None
     demo = Demo(n, rounds=args.rounds, workdir=work, manifest=signed, launcher=launcher, listen=listen,
@@ -240,7 +242,7 @@ def run_one(n: int, tau: int, args: argparse.Namespace, netns: bool) -> dict:
             teardown()
         PIDFILE.unlink(missing_ok=True)
 
-    bare_trials += [bare_step_s(train), bare_step_s(train)]
+    bare_trials += [bare_step_s(train, corpus), bare_step_s(train, corpus)]
     bare = min(bare_trials)
     s = [demo.summaries[i] for i in sorted(demo.summaries)]
     lat = [x for p in s for x in p["allreduce_s"]]
