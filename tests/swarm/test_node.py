@@ -97,8 +97,11 @@ def test_a_peer_killed_mid_allreduce_is_dropped_expires_and_resumes_from_its_che
     assert demo.procs[2].wait(120) == -signal.SIGKILL  # it vanished right after its group formed
 
     # the others finish that round with the victim dropped, and keep training
-    i, ev = events.wait_for(lambda i, ev: ev.get("event") == "synced" and ev["fragment"] == 0 and ev["dropped"])
-    assert i in (0, 1) and ev["round"] >= 1 and math.isfinite(ev["train_loss"])
+    # (under load a slow member may be dropped from an earlier round too, the victim's own
+    # syncs included: the round we look for is a survivor's, from round 1 on)
+    i, ev = events.wait_for(lambda i, ev: i in (0, 1) and ev.get("event") == "synced" and ev["fragment"] == 0
+                            and ev["round"] >= 1 and ev["dropped"])
+    assert math.isfinite(ev["train_loss"])
     died_in = ev["round"]
     events.wait_for(lambda i, ev: ev.get("event") == "synced" and ev["round"] == died_in + 1 and i in (0, 1))
 
