@@ -29,15 +29,25 @@ even verify is blamed on the stream's remote peer, which libp2p authenticated.
 Deadlines (``D = group.deadline_s``, from the moment ``allreduce`` is called): pushes for our
 slice must be in by ``D``; members missing then are dropped and the reducer averages the rest,
 re-weighted over the members it actually received from (``SliceAveraged.contributors``,
-``weight`` = their summed weight). Reduced parts must be in by ``1.5 * D``; every send and
-read is bounded by the same deadlines, so no round can hang on a stalled or killed member.
+``weight`` = their summed weight). Reduced parts must be in by ``1.5 * D``. Every send and
+read is bounded by the deadlines, so no round can hang on a stalled or killed member.
 
-Fallback. A part whose reducer was dropped (timed out, unreachable, or sent garbage) holds
-*this member's own value* in the returned average, and is listed in
-``AllReduceOutcome.fallback_parts``. Those elements can differ between members; all other
-parts are identical on every member that got them. ``peer.node``, whose vectors are
-pseudo-gradients, replaces those parts with zeros (that slice of the global copy stays
-where it was), which is the same on every surviving member.
+Agreement (``peer.allreduce_round``). Then every member tells the others which parts it holds
+(``PartsHeld``, a digest per part) and forwards the reducer's signed ``SliceAveraged`` frames
+of a part it holds to a member that reports lacking it; a member takes a forwarded part once
+one forwarder has sent all of it, checked as if its reducer had sent it. Each waits until
+every member that took part has reported and it holds every part someone holds, or ``2.5 *
+D``. So a member that timed out on a part, or whose slice a reducer dropped as late (a
+reducer sends its mean to its contributors only), still ends the round with the part the
+others hold: members that timed out on each other no longer land different averages. A
+member keeps the parts of its last few finished rounds to answer a report that comes after it
+finished. ``AllReduceOutcome.agreed`` says whether this member saw the agreement complete.
+
+Fallback. A part that nobody reported holding by then (its reducer died, or failed every
+member) holds *this member's own value* in the returned average, and is listed in
+``AllReduceOutcome.fallback_parts``. ``peer.node``, whose vectors are pseudo-gradients,
+replaces those parts with zeros (that slice of the global copy stays where it was), which is
+the same on every surviving member.
 
 Memory bounds. Frames may arrive before the local member has called ``allreduce`` for their
 group (it learned of the group a little later than the sender). They are verified (signature,
@@ -55,7 +65,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -65,14 +74,14 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from peer.allreduce_round import Round
 from peer.ratelimit import CHUNK_BYTES, RateLimiter
-from protocol.butterfly import slice_bounds
-from protocol.codecs import Codec, get_codec
+from protocol.codecs import get_codec
 from protocol.envelope import Envelope, Verified, seal_parts, verify
 from protocol.errors import LocalProtocolError, RemoteProtocolError
-from protocol.identity import Identity, peer_id_from_public_key
+from protocol.identity import Identity
 from protocol.messages import MAX_FRAME_BYTES, decode
-from protocol.messages_swarm import PushSlice, SliceAveraged
+from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
 __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_elements"]
 
@@ -83,6 +92,8 @@ HEADER_LEN = 8  # bytes of the big-endian frame length, as hivemind's P2P.send_r
 CHUNK_ALIGN = 256  # elements: a multiple of every codec's block (int8: 256, fp4: 32)
 _HEAD_ROOM = 4096  # bytes of a frame that are not payload: envelope and message heads
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
+AGREE_GRACE = 1.0  # reports and forwarded parts by (1 + AGREE_GRACE) * deadline_s
+_RECENT_ROUNDS = 4  # finished rounds whose parts we still forward to a member that reports lacking one
 _FINISHED_MEMORY = 1024  # group IDs of finished rounds whose late frames we drop quietly
 
 
@@ -115,9 +126,14 @@ class AllReduceOutcome:
     bytes_received: int
     elapsed_s: float
     partial_parts: tuple[int, ...] = ()
-    """Parts we hold that their reducer averaged without some member (it dropped that one's
-    slice). The drop was not ours, but it says the members may not all hold the same result
-    (the dropped one kept its own value there): compare states after the round."""
+    """Parts that their reducer averaged without some member (it dropped that one's slice)."""
+    repaired_parts: tuple[int, ...] = ()
+    """Parts we lacked when we reported and got after it, resent by their reducer or forwarded
+    by another member (signed by the reducer), so we hold what the others hold."""
+    agreed: bool = True
+    """Every member that took part reported, nobody holds a part we lack, and no two members
+    hold different means of one part: as far as this member can see, the group's members
+    finish the round with the same average. False: compare states after the round."""
 
 
 def chunk_elements(max_frame_bytes: int) -> int:
@@ -160,157 +176,13 @@ def _peek_group(data: bytes) -> bytes | None:
         return None
 
 
-def _check_disjoint(chunks: list[tuple[int, int]], offset: int, numel: int) -> None:
-    """A new chunk may not overlap one already received: every element comes exactly once,
-    so "as many elements as the slice" means "all of the slice"."""
-    for off, cnt in chunks:
-        if offset < off + cnt and off < offset + numel:
-            raise RemoteProtocolError(f"chunk [{offset}, {offset + numel}) overlaps one already received")
-
-
 @dataclass(slots=True)
 class _Pending:
     """Verified frames (or blames) for a group this member has not started yet."""
 
     created: float
-    items: list[tuple[str, Verified | str, int]] = field(default_factory=list)
+    items: list[tuple[str, Verified | str, int, bytes]] = field(default_factory=list)
     nbytes: int = 0
-
-
-class _Round:
-    """One member's state of one group's all-reduce. Fed by the stream handler, read by
-    ``Averager.allreduce``; ``changed`` wakes the latter whenever something arrives."""
-
-    def __init__(self, group: Group, me: int, vector: torch.Tensor, codec: Codec):
-        self.group, self.me, self.codec = group, me, codec
-        self.n = len(group.members)
-        self.bounds = slice_bounds(group.numel, self.n)
-        self.peer_ids = [peer_id_from_public_key(k) for k in group.members]
-        self.index = {p: i for i, p in enumerate(self.peer_ids)}
-        self.vector = vector  # (numel,) fp32, our own values
-        self.result = torch.empty(group.numel, dtype=torch.float32)
-        self.dropped: dict[int, str] = {}  # member -> reason
-        # pushes of our slice: sender -> [(offset, numel, payload)], and elements covered
-        self.pushes: dict[int, list[tuple[int, int, Any]]] = {}
-        self.pushed = [0] * self.n
-        # reduced parts from the other reducers: elements covered and contributors seen
-        self.got = [0] * self.n
-        self.contributors: dict[int, tuple[int, ...]] = {}
-        self.mean_chunks: dict[int, list[tuple[int, int]]] = {}  # part -> [(offset, numel)]
-        self.collecting_pushes = True
-        self.collecting_means = True
-        self.bytes_received = 0
-        self.changed = asyncio.Event()
-
-    def size(self, j: int) -> int:
-        s, e = self.bounds[j]
-        return e - s
-
-    # --- what the waiters ask -------------------------------------------------------------
-
-    def pushes_done(self) -> bool:
-        return all(i == self.me or i in self.dropped or self.pushed[i] == self.size(self.me) for i in range(self.n))
-
-    def means_done(self) -> bool:
-        return all(j == self.me or j in self.dropped or self.got[j] == self.size(j) for j in range(self.n))
-
-    # --- what the handler feeds -----------------------------------------------------------
-
-    def drop(self, i: int, reason: str) -> None:
-        if i == self.me or i in self.dropped:
-            return
-        self.dropped[i] = reason
-        log.warning("dropped member reason=%s peer=%s group=%s index=%d", reason, self.peer_ids[i],
-                    self.group.group_id.hex(), i)
-        self.changed.set()
-
-    def accept(self, peer_id: str, v: Verified, nbytes: int) -> None:
-        i = self.index.get(peer_id)
-        if i is None:
-            log.warning("rejected slice reason=not_a_member peer=%s group=%s", peer_id, self.group.group_id.hex())
-            return
-        if i in self.dropped or i == self.me:
-            return
-        self.bytes_received += nbytes
-        msg = v.message
-        try:
-            if isinstance(msg, PushSlice):
-                self._accept_push(i, msg)
-            else:
-                self._accept_mean(i, msg)  # type: ignore[arg-type]
-        except RemoteProtocolError as e:
-            self.drop(i, f"{type(msg).__name__}:{e}")
-            return
-        self.changed.set()
-
-    def _check_slice(self, msg: PushSlice | SliceAveraged, part: int, covered: int) -> None:
-        g = self.group
-        s, e = self.bounds[part]
-        if msg.codec != g.codec:
-            raise RemoteProtocolError(f"codec {msg.codec} is not the group's {g.codec}")
-        if msg.dtype != "float32" or tuple(msg.shape) != (msg.numel,):
-            raise RemoteProtocolError(f"shape {tuple(msg.shape)} / dtype {msg.dtype} is not a flat float32 slice")
-        if msg.numel == 0 or not (s <= msg.offset and msg.offset + msg.numel <= e):
-            raise RemoteProtocolError(f"elements [{msg.offset}, {msg.offset + msg.numel}) are outside "
-                                      f"slice {part} [{s}, {e})")
-        if covered + msg.numel > e - s:
-            raise RemoteProtocolError(f"more than the {e - s} elements of slice {part}")
-
-    def _accept_push(self, i: int, msg: PushSlice) -> None:
-        if msg.part != self.me:
-            raise RemoteProtocolError(f"part {msg.part} sent to the reducer of part {self.me}")
-        if not self.collecting_pushes:
-            log.info("late slice ignored peer=%s group=%s", self.peer_ids[i], self.group.group_id.hex())
-            return
-        self._check_slice(msg, self.me, self.pushed[i])
-        if msg.weight != self.group.weights[i]:
-            raise RemoteProtocolError(f"weight {msg.weight} is not the group's {self.group.weights[i]}")
-        chunks = self.pushes.setdefault(i, [])
-        _check_disjoint([(off, cnt) for off, cnt, _ in chunks], msg.offset, msg.numel)
-        self.codec.decode(msg.payload, msg.numel)  # layout, scales and finiteness; raises
-        chunks.append((msg.offset, msg.numel, msg.payload))
-        self.pushed[i] += msg.numel
-
-    def _accept_mean(self, j: int, msg: SliceAveraged) -> None:
-        if msg.part != j:
-            raise RemoteProtocolError(f"reduced part {msg.part} sent by the reducer of part {j}")
-        if not self.collecting_means:
-            log.info("late reduced part ignored peer=%s group=%s", self.peer_ids[j], self.group.group_id.hex())
-            return
-        self._check_slice(msg, j, self.got[j])
-        contrib = tuple(msg.contributors)
-        if j not in contrib or contrib[-1] >= self.n:
-            raise RemoteProtocolError(f"contributors {contrib} must include the reducer and be members")
-        if self.contributors.setdefault(j, contrib) != contrib:
-            raise RemoteProtocolError("contributors differ between chunks of one part")
-        total = math.fsum(self.group.weights[c] for c in contrib)
-        if not math.isclose(msg.weight, total, rel_tol=1e-9, abs_tol=1e-12):
-            raise RemoteProtocolError(f"weight {msg.weight} is not the contributors' total {total}")
-        _check_disjoint(self.mean_chunks.setdefault(j, []), msg.offset, msg.numel)
-        decoded = self.codec.decode(msg.payload, msg.numel)  # raises on bad bytes or non-finite values
-        self.result[msg.offset:msg.offset + msg.numel] = decoded
-        self.mean_chunks[j].append((msg.offset, msg.numel))
-        self.got[j] += msg.numel
-
-    # --- the reduction ------------------------------------------------------------------
-
-    def reduce(self) -> tuple[torch.Tensor, tuple[int, ...], float]:
-        """Our slice's weighted mean over the members we have all of, in member order, as
-        peer.simulation.allreduce does it. -> (fp32 mean, contributors, their total weight)."""
-        me, (s, e) = self.me, self.bounds[self.me]
-        contrib = tuple(i for i in range(self.n)
-                        if i == me or (i not in self.dropped and self.pushed[i] == e - s))
-        total_w = float(sum(self.group.weights[i] for i in contrib))
-        acc = torch.zeros(e - s, dtype=torch.float32)
-        for i in contrib:
-            w = self.group.weights[i] / total_w
-            if i == me:
-                acc.add_(self.vector[s:e], alpha=w)
-            else:
-                for off, cnt, payload in sorted(self.pushes.get(i, ()), key=lambda c: c[0]):
-                    self.codec.decode_add_(acc[off - s:off - s + cnt], payload, w)
-        self.pushes.clear()  # the payloads are no longer needed
-        return acc, contrib, total_w
 
 
 class Averager:
@@ -345,10 +217,12 @@ class Averager:
         self.upload = upload or RateLimiter()
         self.download = download or RateLimiter()
         self.handler_name = HANDLER_PREFIX + self.run_id.hex()
-        self._active: dict[bytes, _Round] = {}
+        self._active: dict[bytes, Round] = {}
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
         self._pending_bytes = 0
         self._finished: deque[bytes] = deque(maxlen=_FINISHED_MEMORY)
+        self._recent: OrderedDict[bytes, Round] = OrderedDict()  # finished rounds whose parts we forward
+        self._side_tasks: set[asyncio.Task[None]] = set()  # forwards for finished rounds
         self._started = False
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -366,6 +240,9 @@ class Averager:
                 log.info("could not remove the averaging handler reason=%r", e)
         self._pending.clear()
         self._pending_bytes = 0
+        self._recent.clear()
+        for t in list(self._side_tasks):
+            t.cancel()
 
     @property
     def pending_bytes(self) -> int:
@@ -392,20 +269,48 @@ class Averager:
 
     def _on_frame(self, peer_id: str, data: bytes) -> None:
         try:
-            v = verify(data, expect=(PushSlice, SliceAveraged), run_id=self.run_id, sender=peer_id,
+            v = verify(data, expect=(PushSlice, SliceAveraged, PartsHeld), run_id=self.run_id,
                        max_size=self.max_frame_bytes)
+            forwarded = v.peer_id != peer_id
+            if forwarded and not isinstance(v.message, SliceAveraged):  # only reduced parts are forwarded
+                verify(data, run_id=self.run_id, sender=peer_id, max_size=self.max_frame_bytes)  # raises
         except RemoteProtocolError as e:
             self._blame(peer_id, _peek_group(data), f"{type(e).__name__}:{e}")
             return
         gid = bytes(v.message.group_id)  # type: ignore[attr-defined]
         nbytes = HEADER_LEN + len(data)
         rnd = self._active.get(gid)
+        if forwarded:  # a part we reported lacking; unasked for outside a round, so not buffered
+            if rnd is not None:
+                rnd.accept_forwarded(peer_id, v, nbytes, data)
+            return
         if rnd is not None:
-            rnd.accept(peer_id, v, nbytes)
+            rnd.accept(peer_id, v, nbytes, data)
+            if isinstance(v.message, PartsHeld) and rnd.agreeing:
+                self._forward(rnd, rnd.tasks)
+        elif gid in self._recent and isinstance(v.message, PartsHeld):
+            rnd = self._recent[gid]
+            rnd.accept(peer_id, v, nbytes, data)  # a member late to the agreement: it may lack a part
+            self._forward(rnd, self._side_tasks)
         elif gid in self._finished:
             log.debug("frame for a finished group dropped peer=%s group=%s", peer_id, gid.hex())
         else:
-            self._buffer(gid, peer_id, v, nbytes)
+            self._buffer(gid, peer_id, v, nbytes, data)
+
+    def _forward(self, rnd: Round, tasks: Any) -> None:
+        """Send members that reported lacking a part we hold its signed frames (see
+        ``peer.allreduce_round``), each part to each member once, within the agreement's time."""
+        loop = asyncio.get_running_loop()
+        deadline = rnd.agree_deadline if rnd.agree_deadline > loop.time() else loop.time() + rnd.group.deadline_s
+        for i, j in rnd.forward_wanted():
+            rnd.forwarded.add((i, j))
+            log.info("forwarding reduced part part=%d to=%s group=%s", j, rnd.peer_ids[i], rnd.group.group_id.hex())
+            task = asyncio.create_task(self._deliver(rnd, i, rnd.frames[j], deadline, rnd.sent, False))
+            if isinstance(tasks, set):
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            else:
+                tasks.append(task)
 
     def _blame(self, peer_id: str, gid: bytes | None, reason: str) -> None:
         """A frame from ``peer_id`` (authenticated by libp2p) was bad: drop it from the round
@@ -414,7 +319,7 @@ class Averager:
         if gid is not None and gid in self._active:
             rounds = [self._active[gid]]
         elif gid is not None and gid not in self._finished:
-            self._buffer(gid, peer_id, reason, 0)
+            self._buffer(gid, peer_id, reason, 0, b"")
             return
         else:
             rounds = [r for r in self._active.values() if peer_id in r.index]
@@ -436,7 +341,7 @@ class Averager:
         log.info("dropped buffered frames reason=%s group=%s frames=%d bytes=%d", why, gid.hex(), len(p.items),
                  p.nbytes)
 
-    def _buffer(self, gid: bytes, peer_id: str, item: Verified | str, nbytes: int) -> None:
+    def _buffer(self, gid: bytes, peer_id: str, item: Verified | str, nbytes: int, data: bytes) -> None:
         self._expire_pending()
         p = self._pending.get(gid)
         if p is None:
@@ -449,7 +354,7 @@ class Averager:
         if self._pending_bytes + nbytes > self.max_pending_bytes:
             log.warning("frame for an unknown group dropped reason=pending_full peer=%s bytes=%d", peer_id, nbytes)
             return
-        p.items.append((peer_id, item, nbytes))
+        p.items.append((peer_id, item, nbytes, data))
         p.nbytes += nbytes
         self._pending_bytes += nbytes
 
@@ -486,13 +391,13 @@ class Averager:
             writer.close()
         return sent
 
-    def _encode(self, rnd: _Round, part: int, values: torch.Tensor) -> list[tuple[int, int, bytes]]:
+    def _encode(self, rnd: Round, part: int, values: torch.Tensor) -> list[tuple[int, int, bytes]]:
         """``values`` (the elements of slice ``part``) encoded in chunks: [(start, end, bytes)]."""
         s, e = rnd.bounds[part]
         return [(a, b, rnd.codec.encode(values[a - s:b - s]))
                 for a, b in _chunks(s, e, chunk_elements(self.max_frame_bytes))]
 
-    def _frames(self, rnd: _Round, part: int, encoded: list[tuple[int, int, bytes]], weight: float,
+    def _frames(self, rnd: Round, part: int, encoded: list[tuple[int, int, bytes]], weight: float,
                 contributors: tuple[int, ...] | None) -> list[list[Any]]:
         """Sealed PushSlices (or SliceAverageds, with ``contributors``) carrying ``encoded``."""
         g = rnd.group
@@ -511,7 +416,8 @@ class Averager:
 
     async def allreduce(self, group: Group, vector: torch.Tensor, weight: float) -> AllReduceOutcome:
         """Average ``vector`` (numel,) with the group's other members; see the module docstring.
-        Never waits more than ``1.5 * group.deadline_s`` (plus the local encode/decode)."""
+        Never waits more than ``2.5 * group.deadline_s`` (plus the local encode/decode), and
+        that long only when a member that took part never reports."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         started = time.perf_counter()
@@ -522,22 +428,22 @@ class Averager:
         gid = bytes(group.group_id)
         if gid in self._active:
             raise LocalProtocolError(f"group {gid.hex()} is already averaging")
-        rnd = _Round(group, me, vec, get_codec(group.codec))
+        rnd = Round(group, me, vec, get_codec(group.codec))
         self._active[gid] = rnd
         pending = self._pending.pop(gid, None)
         if pending is not None:
             self._pending_bytes -= pending.nbytes
-            for peer_id, item, nbytes in pending.items:
+            for peer_id, item, nbytes, data in pending.items:
                 if isinstance(item, str):
                     if peer_id in rnd.index:
                         rnd.drop(rnd.index[peer_id], item)
                 else:
-                    rnd.accept(peer_id, item, nbytes)
-        tasks: list[asyncio.Task[None]] = []
-        sent = [0]
+                    rnd.accept(peer_id, item, nbytes, data)
+        tasks, sent = rnd.tasks, rnd.sent
         try:
             push_deadline = t0 + group.deadline_s
             end_deadline = t0 + (1 + RESULT_GRACE) * group.deadline_s
+            rnd.agree_deadline = t0 + (1 + RESULT_GRACE + AGREE_GRACE) * group.deadline_s
             for j in range(rnd.n):
                 if j != me and rnd.size(j):
                     s, e = rnd.bounds[j]
@@ -553,19 +459,19 @@ class Averager:
                 mean, contrib, total = rnd.reduce()
                 encoded = self._encode(rnd, me, mean)
                 frames = self._frames(rnd, me, encoded, total, contrib)
-                for a, b, payload in encoded:  # the mean exactly as the others decode it
-                    rnd.result[a:b] = rnd.codec.decode(payload, b - a)
+                rnd.reduced(contrib, encoded, frames)
                 for i in contrib:
                     if i != me:
                         tasks.append(asyncio.create_task(self._deliver(rnd, i, frames, end_deadline, sent, False)))
 
             await self._wait(rnd, rnd.means_done, end_deadline)
-            rnd.collecting_means = False
             for j in range(rnd.n):
                 if j != me and j not in rnd.dropped and rnd.got[j] != rnd.size(j):
                     rnd.drop(j, "timeout:reduced part not received in time")
+            await self._agree(rnd)
+            rnd.collecting_means = False
             if tasks:
-                await asyncio.wait(tasks, timeout=max(0.0, end_deadline - loop.time()))
+                await asyncio.wait(tasks, timeout=max(0.0, rnd.agree_deadline - loop.time()))
         finally:
             for t in tasks:
                 t.cancel()
@@ -573,16 +479,42 @@ class Averager:
                 await asyncio.gather(*tasks, return_exceptions=True)
             self._active.pop(gid, None)
             self._finished.append(gid)
+            self._recent[gid] = rnd
+            while len(self._recent) > _RECENT_ROUNDS:
+                self._recent.popitem(last=False)
 
-        fallback = tuple(j for j in sorted(rnd.dropped) if rnd.size(j))
+        # a part nobody forwarded to us, nor holds: its reducer failed every member alike
+        fallback = tuple(j for j in range(rnd.n) if rnd.size(j) and not rnd.holds(j))
         for j in fallback:
             s, e = rnd.bounds[j]
             rnd.result[s:e] = vec[s:e]
-        # (our own part is never partial unless we dropped someone, which ``dropped`` says)
         partial = tuple(j for j, contrib in sorted(rnd.contributors.items())
-                        if j not in rnd.dropped and len(contrib) < rnd.n)
+                        if rnd.holds(j) and len(contrib) < rnd.n)
+        mine = rnd.digests()
+        disputed = tuple(j for j in range(rnd.n)
+                         if mine[j] and any(r[j] and r[j] != mine[j] for r in rnd.reports.values()))
+        if disputed:
+            log.warning("members hold different means of one part parts=%s group=%s: its reducer sent "
+                        "different ones", list(disputed), gid.hex())
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
-                                time.perf_counter() - started, partial)
+                                time.perf_counter() - started, partial, tuple(sorted(rnd.repaired)),
+                                rnd.agreed() and not disputed)
+
+    async def _agree(self, rnd: Round) -> None:
+        """Tell every member which parts we hold, forward the ones they lack, and wait for what
+        they hold and we lack, until every member that took part has reported (see
+        ``peer.allreduce_round``) or the agreement's deadline."""
+        g = rnd.group
+        rnd.agreeing = True
+        report = PartsHeld(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id,
+                           digests=rnd.digests())
+        frames = [seal_parts(report, self.identity)]
+        for i in range(rnd.n):
+            if i != rnd.me and not rnd.dropped.get(i, "").startswith("unreachable"):
+                rnd.tasks.append(asyncio.create_task(self._deliver(rnd, i, frames, rnd.agree_deadline, rnd.sent,
+                                                                   False)))
+        self._forward(rnd, rnd.tasks)  # reports that came before ours
+        await self._wait(rnd, rnd.agreed, rnd.agree_deadline)
 
     def _check_call(self, group: Group, vector: torch.Tensor, weight: float) -> int:
         if group.run_id != self.run_id:
@@ -603,7 +535,7 @@ class Averager:
             raise LocalProtocolError("the group's weights must have a positive sum")
         return me
 
-    async def _wait(self, rnd: _Round, done: Any, deadline: float) -> None:
+    async def _wait(self, rnd: Round, done: Any, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         while not done():
             remaining = deadline - loop.time()
@@ -615,7 +547,7 @@ class Averager:
             except asyncio.TimeoutError:
                 return
 
-    async def _deliver(self, rnd: _Round, j: int, frames: list[list[Any]], deadline: float, sent: list[int],
+    async def _deliver(self, rnd: Round, j: int, frames: list[list[Any]], deadline: float, sent: list[int],
                        drop_on_failure: bool) -> None:
         """Send frames to member j by ``deadline``. A reducer we cannot reach will not reduce
         our slice nor send us its part: drop it at once rather than wait for it."""

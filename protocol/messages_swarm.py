@@ -10,7 +10,10 @@ Averaging one fragment for one round (see protocol.butterfly):
 1. every ready peer sends ``JoinGroup``; the group's members learn their order from
    ``GroupFormed`` (member j reduces slice j of the fragment's flat vector);
 2. each member sends ``PushSlice`` with its encoded slice j to member j;
-3. member j sends ``SliceAveraged``, the weighted mean of what it received, to the others.
+3. member j sends ``SliceAveraged``, the weighted mean of what it received, to the others;
+4. every member tells the others which reduced parts it holds (``PartsHeld``, by digest); a
+   member that holds a part another lacks forwards it the reducer's signed ``SliceAveraged``
+   frames, so the members that finish the round hold the same parts.
 
 State sync: a joiner picks the ``StateIndex`` digest that most ``Heartbeat``\\ s vouch for,
 fetches that index with ``RequestStateIndex``, then its chunks from several donors with
@@ -212,6 +215,22 @@ class SliceAveraged(_Slice):
         _Slice.check(self)
         if list(self.contributors) != sorted(set(self.contributors)):
             raise FieldError("contributors must be distinct and in increasing order")
+
+
+@message(Tag.PARTS_HELD)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartsHeld(Message):
+    """After the reduced parts are in: which of them this member holds. ``digests[j]`` is the
+    digest of part j as its reducer signed it (``peer.allreduce_round.part_digest``), or b""
+    for a part it lacks. A member holding a part that another lacks forwards it the reducer's
+    signed ``SliceAveraged`` frames; two digests for one part show that its reducer sent
+    different means to different members."""
+
+    run_id: RunId
+    fragment: Fragment
+    round: Round
+    group_id: GroupId
+    digests: Annotated[tuple[bytes, ...], Seq(Bytes((0, DIGEST_BYTES)), min_len=1, max_len=MAX_GROUP_SIZE)]
 
 
 # ---------------------------------------------------------------------------------------

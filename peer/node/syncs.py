@@ -51,7 +51,7 @@ class SyncMixin:
         for part in outcome.fallback_parts:
             start, end = bounds[part]
             outcome.average[start:end] = 0.0
-        return outcome, len(group.members)
+        return outcome, len(group.members), bytes(group.group_id)
 
     def _land(self, sync: InFlight, swarm) -> None:
         worker = self.worker
@@ -60,7 +60,7 @@ class SyncMixin:
         t0 = time.perf_counter()
         reason = ""
         try:
-            result = fut.result(timeout=swarm.matchmaking_timeout_s + swarm.allreduce_timeout_s + 30)
+            result = fut.result(timeout=swarm.matchmaking_timeout_s + 2.5 * swarm.allreduce_timeout_s + 30)
             if result is None:
                 reason = "no group formed: averaged alone"
         except Exception as e:  # a failed round must not stop training: average alone
@@ -77,8 +77,8 @@ class SyncMixin:
             self._remember(FragmentSyncFailed(at=time.time(), fragment=fragment, round=round_, reason=reason[:256]))
         else:
             avg = outcome.average
-            if outcome.dropped or outcome.partial_parts:  # members that timed out on each other (we
-                self._alone_this_round = True  # or another) may land different averages: compare after
+            if not outcome.agreed:  # a member that took part never reported, or a reducer sent two
+                self._alone_this_round = True  # means: the members may land different averages: compare after
             self.stats.bytes_sent += outcome.bytes_sent
             self.stats.bytes_received += outcome.bytes_received
             self.stats.dropped_peers += len(outcome.dropped)
@@ -99,6 +99,7 @@ class SyncMixin:
         self.on_event({"event": "synced", "fragment": fragment, "round": round_, "step": worker.step,
                        "alone": outcome is None, "dropped": 0 if outcome is None else len(outcome.dropped),
                        "group_size": 1 if result is None else result[1],
+                       "group": "" if result is None else result[2].hex()[:16],
                        "digest": hashlib.sha256(worker.outer[fragment].global_flat.numpy().tobytes()).hexdigest()[:16],
                        "train_loss": round(last_loss, 4)})
         log.info("fragment synced fragment=%d round=%d alone=%s", fragment, round_, outcome is None)

@@ -82,10 +82,12 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
                 group = Group(**fields)
                 vec = make_vector(seed, group.numel)
                 me = group.members.index(ident.public_key)
-                if behaviour == "honest":
+                if behaviour != "bad":
+                    fault(av, behaviour)
                     out = net.call(av.allreduce(group, vec, group.weights[me]), 60)
                     out_q.put(("done", out.average.numpy().tobytes(), out.dropped, out.fallback_parts,
-                               out.bytes_sent, out.elapsed_s, list(logs.lines)))
+                               out.bytes_sent, out.elapsed_s, list(logs.lines),
+                               {"repaired": out.repaired_parts, "agreed": out.agreed, "partial": out.partial_parts}))
                 else:
                     net.call(send_bad_slices(av, group, vec, me), 30)
                     out_q.put(("sent",))
@@ -100,6 +102,31 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
                 out = net.call(av.allreduce(group, make_vector(seed), weight), 60)
                 out_q.put(("matched", dataclasses.asdict(group), out.average.numpy().tobytes()))
         net.call(av.shutdown(), 10)
+
+
+def fault(av, behaviour: str) -> None:
+    """Asymmetric faults of an honest-looking member, made by wrapping its averager's sends:
+    ``withhold:K`` sends its reduced part to every contributor but member K (and does not
+    resend it when K reports lacking it: the others must forward it); ``late:K`` pushes
+    its slice to reducer K only after the push deadline (K drops it as late); ``honest`` none."""
+    import asyncio
+
+    av._deliver = type(av)._deliver.__get__(av)  # undo a fault of the previous command
+    if behaviour == "honest":
+        return
+    kind, k = behaviour.split(":")
+    target, deliver = int(k), av._deliver
+
+    async def faulty(rnd, j, frames, deadline, sent, drop_on_failure):
+        if j == target and kind == "withhold" and frames is rnd.frames.get(rnd.me):
+            return  # our mean, withheld from one contributor, also when it reports lacking it
+        if j == target and kind == "late" and drop_on_failure:
+            loop = asyncio.get_running_loop()
+            await asyncio.sleep(max(0.0, deadline - loop.time()) + 0.3)
+            deadline = loop.time() + 5.0
+        await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
+
+    av._deliver = faulty
 
 
 async def send_bad_slices(av, group, vec: torch.Tensor, me: int) -> None:
@@ -235,7 +262,7 @@ def test_four_peers_get_the_bit_identical_weighted_mean_in_fp32_and_fp4(swarm):
             p.cmd.put(("allreduce", fields, 100 + i, "honest"))
         replies = [p.reply() for p in peers]
         ref, ref_sent = simulated_allreduce(vectors, weights, get_codec(codec))
-        for kind, avg, dropped, fallback, sent, elapsed, _ in replies:
+        for kind, avg, dropped, fallback, sent, elapsed, _, _ in replies:
             assert kind == "done" and dropped == () and fallback == ()
             assert avg == replies[0][1]  # bit-identical on every member
             got = as_tensor(avg)
@@ -262,7 +289,7 @@ def test_a_killed_member_and_a_stalled_one_are_dropped_and_the_others_finish(swa
     ref = partial_reference(vectors, weights, alive, "fp32")
     bounds = slice_bounds(NUMEL, 5)
     for i in alive:
-        kind, avg, dropped, fallback, _, elapsed, lines = peers[i].reply()
+        kind, avg, dropped, fallback, _, elapsed, lines, _ = peers[i].reply()
         got = as_tensor(avg)
         assert kind == "done" and dropped == (victim, stalled) and fallback == (victim, stalled)
         assert bool(torch.isfinite(got).all())
@@ -294,7 +321,7 @@ def test_forged_misshapen_and_nan_slices_drop_their_sender(swarm):
     reasons = {0: "VerificationError", 1: "shape", 2: "NaN"}
     results = []
     for i in honest:
-        kind, avg, dropped, fallback, _, _, lines = peers[i].reply()
+        kind, avg, dropped, fallback, _, _, lines, _ = peers[i].reply()
         assert kind == "done" and dropped == (bad,) and fallback == (bad,)
         assert any(f"peer={bad_id}" in ln and reasons[i] in ln and "reason=" in ln for ln in lines), lines
         got = as_tensor(avg)
@@ -304,6 +331,37 @@ def test_forged_misshapen_and_nan_slices_drop_their_sender(swarm):
             assert torch.equal(got[s:e], ref[j])  # the honest members' mean, without the bad one
     s, e = bounds[bad]
     assert all(torch.equal(a[:s], results[0][:s]) for a in results)  # identical outside the fallback part
+
+
+def test_asymmetric_drops_are_repaired_within_the_round_so_every_member_lands_the_same_average(swarm):
+    """Member 1 withholds its reduced part from member 3; member 2 pushes its slice to
+    reducer 0 after the deadline, so 0 averages without it and sends its part only to 0's
+    contributors. Before the agreement, 3 lacked part 1 and 2 lacked part 0, and each used its
+    own values there. Now the others forward those parts (signed by their reducers; the
+    withholder does not resend), and all four members end the round with the same bytes."""
+    peers = swarm(4)
+    weights = [1.0, 2.0, 3.0, 4.0]
+    deadline = 3.0
+    fields = group_fields(peers, weights, "fp32", group_id=b"asymmetric".ljust(16, b"\0"), deadline_s=deadline)
+    faults = {0: "honest", 1: "withhold:3", 2: "late:0", 3: "honest"}
+    for i, p in enumerate(peers):
+        p.cmd.put(("allreduce", fields, 400 + i, faults[i]))
+    replies = [p.reply() for p in peers]
+    vectors = [make_vector(400 + i) for i in range(4)]
+    bounds = slice_bounds(NUMEL, 4)
+    without_2 = partial_reference(vectors, weights, [0, 1, 3], "fp32")
+    full = partial_reference(vectors, weights, [0, 1, 2, 3], "fp32")
+    for i, (kind, avg, dropped, fallback, _, elapsed, lines, more) in enumerate(replies):
+        assert kind == "done" and fallback == (), (i, dropped, fallback, lines)
+        assert more["agreed"], (i, lines)
+        assert avg == replies[0][1], f"member {i} landed another average: {lines}"
+        got = as_tensor(avg)
+        assert torch.equal(got[slice(*bounds[0])], without_2[0])  # reducer 0 dropped the late slice
+        for j in (1, 2, 3):
+            assert torch.equal(got[slice(*bounds[j])], full[j])
+        assert elapsed < (1 + RESULT_GRACE) * deadline + 2.0, "the agreement did not wait for the deadline"
+    assert 1 in replies[3][7]["repaired"] and 0 in replies[2][7]["repaired"]
+    assert any("forwarding reduced part" in ln for r in replies for ln in r[6])
 
 
 def _peer_id(public_key: bytes) -> str:

@@ -1,0 +1,316 @@
+"""One member's state of one group's all-reduce (``peer.allreduce`` runs it), without I/O.
+
+Fed by the averager's stream handler with verified frames, read by ``Averager.allreduce``;
+``changed`` wakes the latter whenever something arrives. Three phases:
+
+1. pushes: the members' encoded slices of our part (``PushSlice``), until all are in or the
+   push deadline passes;
+2. means: the reduced parts of the other reducers (``SliceAveraged``);
+3. agreement: every member reports which parts it holds (``PartsHeld``, by digest); a member
+   that lacks a part another holds gets that part's frames, as its reducer signed them,
+   forwarded by a member that holds it (``forward_wanted`` says which). So a member that timed
+   out on a part, or whose slice a reducer dropped as late (it sends its mean only to the
+   contributors), ends the round holding what the others hold; a part that nobody holds
+   falls back on every member alike. Two members holding different digests of one part show
+   that its reducer sent different means (``disputed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Any
+
+import msgpack
+import torch
+
+from protocol.butterfly import slice_bounds
+from protocol.codecs import Codec
+from protocol.envelope import Verified
+from protocol.errors import RemoteProtocolError
+from protocol.identity import peer_id_from_public_key
+from protocol.messages import digest
+from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
+
+log = logging.getLogger("peer.allreduce")
+
+Frame = list[Any]
+"""One frame to send: the sealed envelope's parts (``protocol.envelope.seal_parts``), or the
+received envelope's bytes as one part (to forward it unchanged)."""
+
+
+def part_digest(contributors: tuple[int, ...], chunks: list[tuple[int, int, bytes]]) -> bytes:
+    """Digest of a reduced part: its contributors and, in offset order, each chunk's offset,
+    size and payload digest. Members that got the same signed frames compute the same one."""
+    ordered = sorted(chunks)
+    return digest(msgpack.packb([list(contributors), [[o, n, d] for o, n, d in ordered]], use_bin_type=True))
+
+
+def _check_disjoint(chunks: list[tuple[int, int]], offset: int, numel: int) -> None:
+    """A new chunk may not overlap one already received: every element comes exactly once,
+    so "as many elements as the slice" means "all of the slice"."""
+    for off, cnt in chunks:
+        if offset < off + cnt and off < offset + numel:
+            raise RemoteProtocolError(f"chunk [{offset}, {offset + numel}) overlaps one already received")
+
+
+class Round:
+    """One member's all-reduce of one group (see the module docstring)."""
+
+    def __init__(self, group: Any, me: int, vector: torch.Tensor, codec: Codec):
+        self.group, self.me, self.codec = group, me, codec
+        self.n = len(group.members)
+        self.bounds = slice_bounds(group.numel, self.n)
+        self.peer_ids = [peer_id_from_public_key(k) for k in group.members]
+        self.index = {p: i for i, p in enumerate(self.peer_ids)}
+        self.vector = vector  # (numel,) fp32, our own values
+        self.result = torch.empty(group.numel, dtype=torch.float32)
+        self.dropped: dict[int, str] = {}  # member -> reason
+        # pushes of our slice: sender -> [(offset, numel, payload)], and elements covered
+        self.pushes: dict[int, list[tuple[int, int, Any]]] = {}
+        self.pushed = [0] * self.n
+        # reduced parts from the other reducers: elements covered and contributors seen
+        self.got = [0] * self.n
+        self.contributors: dict[int, tuple[int, ...]] = {}
+        self.mean_chunks: dict[int, list[tuple[int, int, bytes]]] = {}  # part -> [(offset, numel, payload digest)]
+        self.frames: dict[int, list[Frame]] = {}  # part -> its signed frames, to forward
+        # agreement: reports by member, parts forwarded to us (part, forwarder) -> chunks
+        self.reports: dict[int, tuple[bytes, ...]] = {}
+        # (part, forwarder) -> [(offset, numel, frame, payload digest, contributors, payload)]
+        self.repairs: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
+        self.repaired: set[int] = set()
+        self.disputed: set[int] = set()
+        self.forwarded: set[tuple[int, int]] = set()  # (member, part) we sent
+        self.collecting_pushes = True
+        self.collecting_means = True
+        self.agreeing = False
+        self.bytes_received = 0
+        self.sent = [0]  # bytes, added to by every send of this round
+        self.tasks: list[asyncio.Task[None]] = []  # this round's sends
+        self.agree_deadline = 0.0  # event-loop time
+        self.changed = asyncio.Event()
+
+    def size(self, j: int) -> int:
+        s, e = self.bounds[j]
+        return e - s
+
+    # --- what the waiters ask -------------------------------------------------------------
+
+    def pushes_done(self) -> bool:
+        return all(i == self.me or i in self.dropped or self.pushed[i] == self.size(self.me) for i in range(self.n))
+
+    def means_done(self) -> bool:
+        return all(j == self.me or j in self.dropped or self.got[j] == self.size(j) for j in range(self.n))
+
+    def holds(self, j: int) -> bool:
+        return self.size(j) > 0 and j in self.frames and self.got[j] == self.size(j)
+
+    def digests(self) -> tuple[bytes, ...]:
+        """Our ``PartsHeld`` report: each part's digest, b"" for parts we lack (or empty ones)."""
+        return tuple(part_digest(self.contributors[j], self.mean_chunks[j]) if self.holds(j) else b""
+                     for j in range(self.n))
+
+    def took_part(self) -> list[int]:
+        """The other members we know are in this round: they pushed to us, sent us a part, or a
+        reducer counted them. A member dead before it sent a thing is none of these: we do not
+        wait for its report."""
+        counted = {i for c in self.contributors.values() for i in c}
+        return [i for i in range(self.n)
+                if i != self.me and (self.pushed[i] or self.got[i] or i in counted or i in self.reports)]
+
+    def agreed(self) -> bool:
+        """Every member that took part has reported, and we hold every part that any of them
+        holds (the ones we lacked were forwarded to us)."""
+        if any(i not in self.reports for i in self.took_part()):
+            return False
+        return not self.wanted()
+
+    def wanted(self) -> list[int]:
+        """Parts that we lack and another member reports holding."""
+        return [j for j in range(self.n)
+                if self.size(j) and not self.holds(j) and any(r[j] for r in self.reports.values())]
+
+    def forward_wanted(self) -> list[tuple[int, int]]:
+        """(member, part) pairs to forward now: the member reported lacking a part we hold."""
+        out = []
+        for i, rep in self.reports.items():
+            for j, d in enumerate(rep):
+                if not d and self.holds(j) and (i, j) not in self.forwarded and i != j:
+                    out.append((i, j))
+        return out
+
+    # --- what the handler feeds -----------------------------------------------------------
+
+    def drop(self, i: int, reason: str) -> None:
+        if i == self.me or i in self.dropped:
+            return
+        self.dropped[i] = reason
+        log.warning("dropped member reason=%s peer=%s group=%s index=%d", reason, self.peer_ids[i],
+                    self.group.group_id.hex(), i)
+        self.changed.set()
+
+    def accept(self, peer_id: str, v: Verified, nbytes: int, data: bytes) -> None:
+        """A verified frame whose signer is ``peer_id``, the stream's remote peer."""
+        i = self.index.get(peer_id)
+        if i is None:
+            log.warning("rejected slice reason=not_a_member peer=%s group=%s", peer_id, self.group.group_id.hex())
+            return
+        if i == self.me:
+            return
+        msg = v.message
+        if isinstance(msg, PartsHeld):  # also from a member we dropped: it may need our parts
+            self._accept_report(i, msg)
+            return
+        late = self.dropped.get(i, "").startswith("timeout")
+        if i in self.dropped and not (late and isinstance(msg, SliceAveraged)):
+            return  # a member dropped for lateness may still send its part; not one that lied
+        self.bytes_received += nbytes
+        try:
+            if isinstance(msg, PushSlice):
+                self._accept_push(i, msg)
+            else:
+                self._accept_mean(i, msg, v.payload_digest, data)  # type: ignore[arg-type]
+        except RemoteProtocolError as e:
+            self.drop(i, f"{type(msg).__name__}:{e}")
+            return
+        self.changed.set()
+
+    def accept_forwarded(self, forwarder: str, v: Verified, nbytes: int, data: bytes) -> None:
+        """A ``SliceAveraged`` signed by its reducer, forwarded by another member because we
+        reported lacking that part. Taken once one forwarder has sent all of the part."""
+        f = self.index.get(forwarder)
+        msg = v.message
+        j = self.index.get(v.peer_id)
+        if f is None or j is None or not isinstance(msg, SliceAveraged) or j == self.me:
+            log.warning("rejected forwarded part reason=not_a_member peer=%s group=%s", forwarder,
+                        self.group.group_id.hex())
+            return
+        if not self.agreeing or self.holds(j):
+            return  # unasked for, or already here (another forwarder was quicker)
+        self.bytes_received += nbytes
+        chunks = self.repairs.setdefault((j, f), [])
+        try:
+            self._check_mean(j, msg, sum(c[1] for c in chunks))
+            _check_disjoint([(o, n) for o, n, *_ in chunks], msg.offset, msg.numel)
+            if chunks and tuple(msg.contributors) != tuple(chunks[0][4]):
+                raise RemoteProtocolError("contributors differ between chunks of one part")
+            self.codec.decode(msg.payload, msg.numel)  # layout, scales and finiteness; raises
+        except RemoteProtocolError as e:  # signed by the reducer: its fault, but we need not use it
+            log.warning("rejected forwarded part reason=%s reducer=%s forwarder=%s group=%s", e,
+                        self.peer_ids[j], forwarder, self.group.group_id.hex())
+            self.repairs.pop((j, f), None)
+            return
+        chunks.append((msg.offset, msg.numel, data, v.payload_digest, tuple(msg.contributors), msg.payload))
+        if sum(c[1] for c in chunks) == self.size(j):
+            self._take_repair(j, f)
+        self.changed.set()
+
+    def _take_repair(self, j: int, f: int) -> None:
+        chunks = self.repairs.pop((j, f))
+        for offset, numel, *_, payload in chunks:  # the whole part, from one forwarder's frames
+            self.result[offset:offset + numel] = self.codec.decode(payload, numel)
+        self.contributors[j] = tuple(chunks[0][4])
+        self.mean_chunks[j] = [(c[0], c[1], c[3]) for c in chunks]
+        self.frames[j] = [[c[2]] for c in chunks]
+        self.got[j] = self.size(j)
+        self.repaired.add(j)
+        log.info("reduced part repaired part=%d from=%s group=%s", j, self.peer_ids[f], self.group.group_id.hex())
+
+    def _accept_report(self, i: int, msg: PartsHeld) -> None:
+        if len(msg.digests) != self.n:
+            log.warning("rejected report reason=%d_parts_for_%d_members peer=%s", len(msg.digests), self.n,
+                        self.peer_ids[i])
+            return
+        if i in self.reports:
+            return  # one report per member and round
+        self.reports[i] = tuple(bytes(d) for d in msg.digests)
+        self.changed.set()
+
+    def _check_slice(self, msg: PushSlice | SliceAveraged, part: int, covered: int) -> None:
+        g = self.group
+        s, e = self.bounds[part]
+        if msg.codec != g.codec:
+            raise RemoteProtocolError(f"codec {msg.codec} is not the group's {g.codec}")
+        if msg.dtype != "float32" or tuple(msg.shape) != (msg.numel,):
+            raise RemoteProtocolError(f"shape {tuple(msg.shape)} / dtype {msg.dtype} is not a flat float32 slice")
+        if msg.numel == 0 or not (s <= msg.offset and msg.offset + msg.numel <= e):
+            raise RemoteProtocolError(f"elements [{msg.offset}, {msg.offset + msg.numel}) are outside "
+                                      f"slice {part} [{s}, {e})")
+        if covered + msg.numel > e - s:
+            raise RemoteProtocolError(f"more than the {e - s} elements of slice {part}")
+
+    def _accept_push(self, i: int, msg: PushSlice) -> None:
+        if msg.part != self.me:
+            raise RemoteProtocolError(f"part {msg.part} sent to the reducer of part {self.me}")
+        if not self.collecting_pushes:
+            log.info("late slice ignored peer=%s group=%s", self.peer_ids[i], self.group.group_id.hex())
+            return
+        self._check_slice(msg, self.me, self.pushed[i])
+        if msg.weight != self.group.weights[i]:
+            raise RemoteProtocolError(f"weight {msg.weight} is not the group's {self.group.weights[i]}")
+        chunks = self.pushes.setdefault(i, [])
+        _check_disjoint([(off, cnt) for off, cnt, _ in chunks], msg.offset, msg.numel)
+        self.codec.decode(msg.payload, msg.numel)  # layout, scales and finiteness; raises
+        chunks.append((msg.offset, msg.numel, msg.payload))
+        self.pushed[i] += msg.numel
+
+    def _check_mean(self, j: int, msg: SliceAveraged, covered: int) -> None:
+        if msg.part != j:
+            raise RemoteProtocolError(f"reduced part {msg.part} sent by the reducer of part {j}")
+        self._check_slice(msg, j, covered)
+        contrib = tuple(msg.contributors)
+        if j not in contrib or contrib[-1] >= self.n:
+            raise RemoteProtocolError(f"contributors {contrib} must include the reducer and be members")
+        total = math.fsum(self.group.weights[c] for c in contrib)
+        if not math.isclose(msg.weight, total, rel_tol=1e-9, abs_tol=1e-12):
+            raise RemoteProtocolError(f"weight {msg.weight} is not the contributors' total {total}")
+
+    def _accept_mean(self, j: int, msg: SliceAveraged, payload_digest: bytes, data: bytes) -> None:
+        if self.holds(j):
+            return  # forwarded to us already
+        if not self.collecting_means:
+            log.info("late reduced part ignored peer=%s group=%s", self.peer_ids[j], self.group.group_id.hex())
+            return
+        self._check_mean(j, msg, self.got[j])
+        contrib = tuple(msg.contributors)
+        if self.contributors.setdefault(j, contrib) != contrib:
+            raise RemoteProtocolError("contributors differ between chunks of one part")
+        _check_disjoint([(o, n) for o, n, _ in self.mean_chunks.setdefault(j, [])], msg.offset, msg.numel)
+        decoded = self.codec.decode(msg.payload, msg.numel)  # raises on bad bytes or non-finite values
+        self.result[msg.offset:msg.offset + msg.numel] = decoded
+        self.mean_chunks[j].append((msg.offset, msg.numel, payload_digest))
+        self.frames.setdefault(j, []).append([bytes(data)])
+        self.got[j] += msg.numel
+        if self.agreeing and self.got[j] == self.size(j):
+            self.repaired.add(j)  # resent by its reducer after our report said we lacked it
+
+    # --- the reduction ------------------------------------------------------------------
+
+    def reduce(self) -> tuple[torch.Tensor, tuple[int, ...], float]:
+        """Our slice's weighted mean over the members we have all of, in member order, as
+        peer.simulation.allreduce does it. -> (fp32 mean, contributors, their total weight)."""
+        me, (s, e) = self.me, self.bounds[self.me]
+        contrib = tuple(i for i in range(self.n)
+                        if i == me or (i not in self.dropped and self.pushed[i] == e - s))
+        total_w = float(sum(self.group.weights[i] for i in contrib))
+        acc = torch.zeros(e - s, dtype=torch.float32)
+        for i in contrib:
+            w = self.group.weights[i] / total_w
+            if i == me:
+                acc.add_(self.vector[s:e], alpha=w)
+            else:
+                for off, cnt, payload in sorted(self.pushes.get(i, ()), key=lambda c: c[0]):
+                    self.codec.decode_add_(acc[off - s:off - s + cnt], payload, w)
+        self.pushes.clear()  # the payloads are no longer needed
+        return acc, contrib, total_w
+
+    def reduced(self, contrib: tuple[int, ...], encoded: list[tuple[int, int, bytes]], frames: list[Frame]) -> None:
+        """Our own part, encoded and sealed: held like any other part (and forwarded alike)."""
+        me = self.me
+        for a, b, payload in encoded:  # the mean exactly as the others decode it
+            self.result[a:b] = self.codec.decode(payload, b - a)
+        self.contributors[me] = contrib
+        self.mean_chunks[me] = [(a, b - a, digest(payload)) for a, b, payload in encoded]
+        self.frames[me] = frames
+        self.got[me] = self.size(me)
