@@ -470,18 +470,23 @@ class Averager:
                     rnd.drop(j, "timeout:reduced part not received in time")
             await self._agree(rnd)
             rnd.collecting_means = False
-            if tasks:
-                await asyncio.wait(tasks, timeout=max(0.0, rnd.agree_deadline - loop.time()))
+            while True:  # our sends, forwards answering reports that come meanwhile included
+                unsent = [t for t in tasks if not t.done()]
+                left = rnd.agree_deadline - loop.time()
+                if not unsent or left <= 0:
+                    break
+                await asyncio.wait(unsent, timeout=left)
         finally:
-            for t in tasks:
-                t.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+            # from here a report for this group is answered from the finished rounds' parts
             self._active.pop(gid, None)
             self._finished.append(gid)
             self._recent[gid] = rnd
             while len(self._recent) > _RECENT_ROUNDS:
                 self._recent.popitem(last=False)
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
 
         # a part nobody forwarded to us, nor holds: its reducer failed every member alike
         fallback = tuple(j for j in range(rnd.n) if rnd.size(j) and not rnd.holds(j))
@@ -493,12 +498,13 @@ class Averager:
         mine = rnd.digests()
         disputed = tuple(j for j in range(rnd.n)
                          if mine[j] and any(r[j] and r[j] != mine[j] for r in rnd.reports.values()))
+        rnd.retire()
         if disputed:
             log.warning("members hold different means of one part parts=%s group=%s: its reducer sent "
                         "different ones", list(disputed), gid.hex())
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, partial, tuple(sorted(rnd.repaired)),
-                                rnd.agreed() and not disputed)
+                                rnd.settled() and not disputed)
 
     async def _agree(self, rnd: Round) -> None:
         """Tell every member which parts we hold, forward the ones they lack, and wait for what
@@ -511,8 +517,7 @@ class Averager:
         frames = [seal_parts(report, self.identity)]
         for i in range(rnd.n):
             if i != rnd.me and not rnd.dropped.get(i, "").startswith("unreachable"):
-                rnd.tasks.append(asyncio.create_task(self._deliver(rnd, i, frames, rnd.agree_deadline, rnd.sent,
-                                                                   False)))
+                rnd.tasks.append(asyncio.create_task(self._report(rnd, i, frames)))
         self._forward(rnd, rnd.tasks)  # reports that came before ours
         await self._wait(rnd, rnd.agreed, rnd.agree_deadline)
 
@@ -546,6 +551,19 @@ class Averager:
                 await asyncio.wait_for(rnd.changed.wait(), remaining)
             except asyncio.TimeoutError:
                 return
+
+    async def _report(self, rnd: Round, i: int, frames: list[list[Any]]) -> None:
+        """Send our report to member i; one we cannot reach is not waited for."""
+        try:
+            left = rnd.agree_deadline - asyncio.get_running_loop().time()
+            nbytes = await asyncio.wait_for(self._send_frames(rnd.peer_ids[i], frames), max(left, 0.001))
+            rnd.sent[0] += nbytes
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001  (as in _deliver: failing to reach a peer is its problem)
+            log.info("report not delivered peer=%s detail=%r", rnd.peer_ids[i], e)
+            rnd.gone.add(i)
+            rnd.changed.set()
 
     async def _deliver(self, rnd: Round, j: int, frames: list[list[Any]], deadline: float, sent: list[int],
                        drop_on_failure: bool) -> None:

@@ -82,6 +82,7 @@ class Round:
         self.repaired: set[int] = set()
         self.disputed: set[int] = set()
         self.forwarded: set[tuple[int, int]] = set()  # (member, part) we sent
+        self.gone: set[int] = set()  # members our report could not reach: not waited for
         self.collecting_pushes = True
         self.collecting_means = True
         self.agreeing = False
@@ -115,9 +116,9 @@ class Round:
         """The other members we know are in this round: they pushed to us, sent us a part, or a
         reducer counted them. A member dead before it sent a thing is none of these: we do not
         wait for its report."""
-        counted = {i for c in self.contributors.values() for i in c}
-        return [i for i in range(self.n)
-                if i != self.me and (self.pushed[i] or self.got[i] or i in counted or i in self.reports)]
+        counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
+        return [i for i in range(self.n) if i != self.me and i not in self.gone
+                and (self.pushed[i] or self.got[i] or i in counted or i in self.reports)]
 
     def agreed(self) -> bool:
         """Every member that took part has reported, and we hold every part that any of them
@@ -125,6 +126,13 @@ class Round:
         if any(i not in self.reports for i in self.took_part()):
             return False
         return not self.wanted()
+
+    def settled(self) -> bool:
+        """What ``AllReduceOutcome.agreed`` says: the agreement completed, and every member we
+        dropped as late reported too (one whose slices all came late took part in no one's
+        round, but it may still have landed parts: without its report we cannot tell)."""
+        late = [i for i, why in self.dropped.items() if why.startswith("timeout")]
+        return self.agreed() and all(i in self.reports for i in late)
 
     def wanted(self) -> list[int]:
         """Parts that we lack and another member reports holding."""
@@ -286,6 +294,13 @@ class Round:
             self.repaired.add(j)  # resent by its reducer after our report said we lacked it
 
     # --- the reduction ------------------------------------------------------------------
+
+    def retire(self) -> None:
+        """The round is over: keep only what answering a late report needs (the parts' frames)."""
+        self.repairs.clear()
+        self.pushes.clear()
+        self.vector = self.vector[:0]
+        self.tasks = []
 
     def reduce(self) -> tuple[torch.Tensor, tuple[int, ...], float]:
         """Our slice's weighted mean over the members we have all of, in member order, as
