@@ -49,6 +49,18 @@ def clean_rounds(events, peers: int) -> dict[tuple[int, int], set[str]]:
     return out
 
 
+def finish_after_a_clean_round(demo, events, peers: int, within_s: float, failure: str) -> None:
+    """Wait until ``clean_rounds`` finds a round that all ``peers`` averaged as one group from
+    one copy (load decides how many rounds that takes), then tell every peer to finish."""
+    deadline = time.monotonic() + within_s
+    while not clean_rounds(events.seen, peers):
+        left = deadline - time.monotonic()
+        assert left > 0, f"{failure}; last events {events.seen[-8:]}"
+        events.wait_for(lambda i, ev: ev.get("event") == "synced", timeout=left)
+    for i in range(peers):
+        call(demo.control_path(i), FinishAndStop)
+
+
 def last_landings_shared(events, peers: tuple[int, ...]) -> bool:
     """Whether ``peers`` landed the last round of every fragment in one group, from one copy:
     then their final global copies must be identical. (A run that ends right after a round in
@@ -86,13 +98,7 @@ def test_four_peers_agree_bit_for_bit_every_round_and_track_the_simulation(tmp_p
     demo.start()
     events.wait_for(lambda i, ev: ev.get("event") == "synced" and ev["fragment"] == 1 and ev["round"] == 2,
                     timeout=300)
-    deadline = time.monotonic() + 300
-    while not clean_rounds(events.seen, 4):
-        left = deadline - time.monotonic()
-        assert left > 0, f"the four peers never averaged as one group; last events {events.seen[-8:]}"
-        events.wait_for(lambda i, ev: ev.get("event") == "synced", timeout=left)
-    for i in range(4):
-        call(demo.control_path(i), FinishAndStop)
+    finish_after_a_clean_round(demo, events, 4, 300, "the four peers never averaged as one group")
     summary = demo.wait()
     assert summary["errors"] == [] and summary["finished"] == 4 and summary["rounds"] >= 2
     seen = events.drain()
@@ -182,13 +188,7 @@ def test_a_late_joiner_downloads_the_state_and_then_matches_the_others_bit_for_b
     demo.add_peer()  # peer 3 joins after 2 full rounds
     _, synced = events.wait_for(lambda i, ev: i == 3 and ev.get("event") == "state_synced", timeout=180)
     assert min(synced["rounds"]) >= 2
-    deadline = time.monotonic() + 420
-    while not clean_rounds(events.seen, 4):
-        left = deadline - time.monotonic()
-        assert left > 0, f"the joiner never averaged in a full group with nobody dropped; last events {events.seen[-6:]}"
-        events.wait_for(lambda i, ev: ev.get("event") == "synced", timeout=left)
-    for i in range(4):
-        call(demo.control_path(i), FinishAndStop)
+    finish_after_a_clean_round(demo, events, 4, 420, "the joiner never averaged in a full group with nobody dropped")
     summary = demo.wait()
     assert summary["errors"] == [] and set(demo.summaries) == {0, 1, 2, 3}
     clean = clean_rounds(events.drain(), 4)
