@@ -22,26 +22,36 @@ from benchutil import print_table, write_json  # noqa: E402
 
 from peer.data import load_corpus  # noqa: E402
 from peer.simulation import SimulationConfig, run_simulation  # noqa: E402
+from protocol.errors import LocalProtocolError  # noqa: E402
 from protocol.config import ConfigError, DataConfig, InnerConfig, SyncConfig, TrainConfig, model_preset  # noqa: E402
 
 
-def configurations(H: int, P: int) -> list[tuple[str, SyncConfig]]:
-    """The table's rows: the baseline, plain DiLoCo, then Streaming DiLoCo's changes added one
-    at a time (fragments, then 4-bit), then overlap (tau) and the mixing factor (alpha) varied
-    one at a time, so a row never credits tau with what alpha did: tau=0 and tau=1 at alpha=0.5,
-    and tau=1 at alpha=0 (the result replaces the local copy, as at tau=0 alpha=0)."""
-    def s(tau: int, alpha: float, codec: str = "fp4") -> SyncConfig:
-        return SyncConfig(inner_steps=H, fragments=P, overlap=tau, alpha=alpha, codec=codec)
+LIAR_SCALE = 1000.0
+
+
+def configurations(H: int, P: int) -> list[tuple[str, SyncConfig, float]]:
+    """The table's rows (mode, sync, liar scale): the baseline, plain DiLoCo, then Streaming
+    DiLoCo's changes added one at a time (fragments, then 4-bit), then overlap (tau) and the
+    mixing factor (alpha) varied one at a time, so a row never credits tau with what alpha
+    did: tau=0 and tau=1 at alpha=0.5, and tau=1 at alpha=0 (the result replaces the local
+    copy, as at tau=0 alpha=0). Every row averages with the robust (clipped) mean, the
+    default; the last rows compare it with the plain mean, honest and with one lying worker
+    that sends its pseudo-gradients x1000."""
+    def s(tau: int, alpha: float, codec: str = "fp4", clip: float = 2.0) -> SyncConfig:
+        return SyncConfig(inner_steps=H, fragments=P, overlap=tau, alpha=alpha, codec=codec, clip=clip)
 
     return [
-        ("ddp", SyncConfig(method="ddp")),
-        ("diloco", SyncConfig(inner_steps=H, fragments=1, overlap=0, alpha=0.0, codec="fp32")),
-        ("streaming", s(0, 0.0, "fp32")),
-        ("streaming", s(0, 0.0)),
-        ("streaming", s(0, 0.5)),
-        ("streaming", s(1, 0.5)),
-        ("streaming", s(1, 0.0)),
-        ("streaming", s(5, 0.5)),
+        ("ddp", SyncConfig(method="ddp"), 0.0),
+        ("diloco", SyncConfig(inner_steps=H, fragments=1, overlap=0, alpha=0.0, codec="fp32"), 0.0),
+        ("streaming", s(0, 0.0, "fp32"), 0.0),
+        ("streaming", s(0, 0.0), 0.0),
+        ("streaming", s(0, 0.5), 0.0),
+        ("streaming", s(1, 0.5), 0.0),
+        ("streaming", s(1, 0.0), 0.0),
+        ("streaming", s(5, 0.5), 0.0),
+        ("streaming", s(1, 0.5, clip=0.0), 0.0),
+        ("streaming", s(1, 0.5), LIAR_SCALE),
+        ("streaming", s(1, 0.5, clip=0.0), LIAR_SCALE),
     ]
 
 
@@ -75,13 +85,25 @@ def main() -> int:
         rows = [r for i, r in enumerate(rows, 1) if i in keep]
 
     runs = []
-    for mode, sync in rows:
+    for mode, sync, liar in rows:
         tc = TrainConfig(model=model, data=data, inner=inner, sync=sync)
-        sim = SimulationConfig(train=tc, workers=args.workers, steps=steps, eval_batches=16)
-        label = mode if mode == "ddp" else f"{mode} P={sync.fragments} tau={sync.overlap} alpha={sync.alpha} {sync.codec}"
+        sim = SimulationConfig(train=tc, workers=args.workers, steps=steps, eval_batches=16, liar_scale=liar)
+        aggregate = "-" if mode == "ddp" else f"clip {sync.clip:g}" if sync.clip else "mean"
+        label = mode if mode == "ddp" else (f"{mode} P={sync.fragments} tau={sync.overlap} alpha={sync.alpha} "
+                                            f"{sync.codec} {aggregate}" + (f" liar x{liar:g}" if liar else ""))
         print(f"running {label} ...", file=sys.stderr, flush=True)
-        res = run_simulation(sim, corpus)
-        rec = {"mode": mode, "alpha": sync.alpha if mode != "ddp" else float("nan"),
+        try:
+            res = run_simulation(sim, corpus)
+        except LocalProtocolError as e:  # the plain mean under a liar: the model became NaN
+            print(f"  diverged: {e}", file=sys.stderr, flush=True)
+            rec = {"tokens": 0, "bytes_sent_per_worker": 0, "peak_bytes_per_sync": 0, "wall_s": 0.0,
+                   **(runs[-1] if runs else {}), "mode": mode, "alpha": sync.alpha, "aggregate": aggregate, "liar_scale": liar,
+                   "fragments": sync.fragments, "tau": sync.overlap, "codec": sync.codec,
+                   "heldout_loss": float("nan"), "train_loss": float("nan"), "history": [], "diverged": str(e)}
+            runs.append(rec)
+            continue
+        rec = {"mode": mode, "alpha": sync.alpha if mode != "ddp" else float("nan"), "aggregate": aggregate,
+               "liar_scale": liar,
                **{k: v for k, v in dataclasses.asdict(res).items() if k != "history"},
                "history": res.history}
         runs.append(rec)
@@ -98,18 +120,25 @@ def main() -> int:
     print(f"{args.workers} workers x {steps} inner steps, preset {args.preset}, H={H}, "
           f"{runs[0]['tokens']:,} tokens per run")
     print_table(runs, [("mode", "mode", ""), ("fragments", "P", "d"), ("tau", "tau", "d"), ("alpha", "alpha", ".1f"),
-                       ("codec", "codec", ""), ("heldout_loss", "held-out", ".4f"), ("loss_vs_ddp", "vs ddp", "+.2%"),
+                       ("codec", "codec", ""), ("aggregate", "mean", ""), ("liar_scale", "liar x", "g"),
+                       ("heldout_loss", "held-out", ".4f"), ("loss_vs_ddp", "vs ddp", "+.2%"),
                        ("loss_vs_diloco", "vs diloco", "+.2%"),
                        ("bytes_sent_per_worker", "bytes/worker", ",d"), ("bytes_vs_ddp", "ddp/this", ".0f"),
                        ("peak_bytes_per_sync", "peak/sync", ",d"), ("peak_vs_diloco", "diloco/this", ".2f"),
                        ("wall_s", "wall s", ".0f")])
 
-    shipped = [r for r in runs if r["mode"] == "streaming" and r["tau"] == 1 and r["alpha"] == 0.5]
+    shipped = [r for r in runs if r["mode"] == "streaming" and r["tau"] == 1 and r["alpha"] == 0.5
+               and r["aggregate"] != "mean" and not r["liar_scale"]]
     if shipped and "ddp" in base:
         r = shipped[0]
         print(f"\nloss gap to ddp at equal tokens ({r['tokens']:,} per run): streaming P={r['fragments']} tau=1 "
               f"alpha=0.5 {r['codec']} (the demo's sync) ends {r['loss_vs_ddp']:+.2%} from ddp "
               f"({r['heldout_loss']:.4f} vs {base['ddp']['heldout_loss']:.4f})")
+
+    plain = [r for r in runs if r["aggregate"] == "mean" and not r["liar_scale"]]
+    if shipped and plain:
+        print(f"robust mean, honest workers: held-out {shipped[0]['heldout_loss']:.4f} vs plain mean "
+              f"{plain[0]['heldout_loss']:.4f} ({shipped[0]['heldout_loss'] / plain[0]['heldout_loss'] - 1:+.2%})")
 
     from codec_speed import codec_throughput
 

@@ -134,6 +134,9 @@ class AllReduceOutcome:
     """Every member that took part reported, nobody holds a part we lack, and no two members
     hold different means of one part: as far as this member can see, the group's members
     finish the round with the same average. False: compare states after the round."""
+    clipped: tuple[int, ...] = ()
+    """Members whose slice we scaled down, as the reducer of our part, because its norm was
+    over ``clip`` x the lower median of the contributions' norms (protocol.butterfly)."""
 
 
 def chunk_elements(max_frame_bytes: int) -> int:
@@ -196,7 +199,8 @@ class Averager:
     def __init__(self, p2p: P2P, identity: Identity, run_id: bytes, *, max_pending_groups: int = 8,
                  max_frame_bytes: int = 64 << 20, max_pending_bytes: int | None = None,
                  pending_ttl_s: float = 120.0, read_timeout_s: float = 30.0,
-                 upload: RateLimiter | None = None, download: RateLimiter | None = None):
+                 upload: RateLimiter | None = None, download: RateLimiter | None = None,
+                 clip: float = 2.0, max_weight: float = 1e18):
         if not 2 * _HEAD_ROOM <= max_frame_bytes <= MAX_FRAME_BYTES:
             raise LocalProtocolError(f"max_frame_bytes must be in [{2 * _HEAD_ROOM}, {MAX_FRAME_BYTES}], "
                                      f"got {max_frame_bytes}")
@@ -210,6 +214,8 @@ class Averager:
         self.max_pending_bytes = 4 * max_frame_bytes if max_pending_bytes is None else max_pending_bytes
         self.pending_ttl_s = pending_ttl_s
         self.read_timeout_s = read_timeout_s
+        self.clip = clip  # the run's sync.clip: robust mean (protocol.butterfly)
+        self.max_weight = max_weight  # the run's most tokens one sync may cover
         self.reconnect: Callable[[str], Awaitable[bool]] | None = None
         """Called with a peer ID when no stream to it could be opened; True if it opened
         another way there (the node dials peers behind NAT through their relays)."""
@@ -267,7 +273,8 @@ class Averager:
         finally:
             writer.close()
 
-    def _on_frame(self, peer_id: str, data: bytes) -> None:
+    def _on_frame(self, peer_id: str, data: bytes) -> bytes | None:
+        """Take one frame; -> its group ID if it was a slice or mean its signer sent us itself."""
         try:
             v = verify(data, expect=(PushSlice, SliceAveraged, PartsHeld), run_id=self.run_id,
                        max_size=self.max_frame_bytes)
@@ -276,18 +283,19 @@ class Averager:
                 verify(data, run_id=self.run_id, sender=peer_id, max_size=self.max_frame_bytes)  # raises
         except RemoteProtocolError as e:
             self._blame(peer_id, _peek_group(data), f"{type(e).__name__}:{e}")
-            return
+            return None
         gid = bytes(v.message.group_id)  # type: ignore[attr-defined]
         nbytes = HEADER_LEN + len(data)
         rnd = self._active.get(gid)
         if forwarded:  # a part we reported lacking; unasked for outside a round, so not buffered
             if rnd is not None:
                 rnd.accept_forwarded(peer_id, v, nbytes, data)
-            return
+            return None
         if rnd is not None:
             rnd.accept(peer_id, v, nbytes, data)
             if isinstance(v.message, PartsHeld) and rnd.agreeing:
                 self._forward(rnd, rnd.tasks)
+            return None if isinstance(v.message, PartsHeld) else gid
         elif gid in self._recent and isinstance(v.message, PartsHeld):
             rnd = self._recent[gid]
             rnd.accept(peer_id, v, nbytes, data)  # a member late to the agreement: it may lack a part
@@ -296,6 +304,7 @@ class Averager:
             log.debug("frame for a finished group dropped peer=%s group=%s", peer_id, gid.hex())
         else:
             self._buffer(gid, peer_id, v, nbytes, data)
+        return None
 
     def _forward(self, rnd: Round, tasks: Any) -> None:
         """Send members that reported lacking a part we hold its signed frames (see
@@ -428,7 +437,7 @@ class Averager:
         gid = bytes(group.group_id)
         if gid in self._active:
             raise LocalProtocolError(f"group {gid.hex()} is already averaging")
-        rnd = Round(group, me, vec, get_codec(group.codec))
+        rnd = Round(group, me, vec, get_codec(group.codec), self.clip)
         self._active[gid] = rnd
         pending = self._pending.pop(gid, None)
         if pending is not None:
@@ -504,7 +513,7 @@ class Averager:
                         "different ones", list(disputed), gid.hex())
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, partial, tuple(sorted(rnd.repaired)),
-                                rnd.settled() and not disputed)
+                                rnd.settled() and not disputed, tuple(rnd.clipped))
 
     async def _agree(self, rnd: Round) -> None:
         """Tell every member which parts we hold, forward the ones they lack, and wait for what
@@ -538,6 +547,8 @@ class Averager:
             raise LocalProtocolError(f"weight {weight} is not this member's weight in the group ({group.weights[me]})")
         if not sum(group.weights) > 0:
             raise LocalProtocolError("the group's weights must have a positive sum")
+        if max(group.weights) > self.max_weight:
+            raise LocalProtocolError(f"a weight in the group is over the run's limit of {self.max_weight:g} tokens")
         return me
 
     async def _wait(self, rnd: Round, done: Any, deadline: float) -> None:

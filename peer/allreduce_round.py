@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import torch
 
-from protocol.butterfly import slice_bounds
+from protocol.butterfly import clip_scales, slice_bounds, slice_norm
 from protocol.codecs import Codec
 from protocol.envelope import Verified
 from protocol.errors import RemoteProtocolError
@@ -58,8 +58,8 @@ def _check_disjoint(chunks: list[tuple[int, int]], offset: int, numel: int) -> N
 class Round:
     """One member's all-reduce of one group (see the module docstring)."""
 
-    def __init__(self, group: Any, me: int, vector: torch.Tensor, codec: Codec):
-        self.group, self.me, self.codec = group, me, codec
+    def __init__(self, group: Any, me: int, vector: torch.Tensor, codec: Codec, clip: float = 0.0):
+        self.group, self.me, self.codec, self.clip = group, me, codec, clip
         self.n = len(group.members)
         self.bounds = slice_bounds(group.numel, self.n)
         self.peer_ids = [peer_id_from_public_key(k) for k in group.members]
@@ -67,6 +67,7 @@ class Round:
         self.vector = vector  # (numel,) fp32, our own values
         self.result = torch.empty(group.numel, dtype=torch.float32)
         self.dropped: dict[int, str] = {}  # member -> reason
+        self.clipped: list[int] = []  # members whose slice we scaled down as too large
         # pushes of our slice: sender -> [(offset, numel, payload)], and elements covered
         self.pushes: dict[int, list[tuple[int, int, Any]]] = {}
         self.pushed = [0] * self.n
@@ -303,15 +304,22 @@ class Round:
         self.tasks = []
 
     def reduce(self) -> tuple[torch.Tensor, tuple[int, ...], float]:
-        """Our slice's weighted mean over the members we have all of, in member order, as
+        """Our slice's weighted mean over the members we have all of, in member order, each
+        contribution scaled down to ``clip`` x the lower median norm first, as
         peer.simulation.allreduce does it. -> (fp32 mean, contributors, their total weight)."""
         me, (s, e) = self.me, self.bounds[self.me]
         contrib = tuple(i for i in range(self.n)
                         if i == me or (i not in self.dropped and self.pushed[i] == e - s))
         total_w = float(sum(self.group.weights[i] for i in contrib))
+        norms = [slice_norm(self.vector[s:e] if i == me else self._decoded(i)) for i in contrib]
+        scales = clip_scales(norms, self.clip)
         acc = torch.zeros(e - s, dtype=torch.float32)
-        for i in contrib:
-            w = self.group.weights[i] / total_w
+        for i, norm, scale in zip(contrib, norms, scales):
+            if scale < 1.0:
+                self.clipped.append(i)
+                log.warning("clipped slice norm=%.3g bound=%.3g peer=%s group=%s", norm, scale * norm,
+                            self.peer_ids[i], self.group.group_id.hex())
+            w = self.group.weights[i] / total_w * scale
             if i == me:
                 acc.add_(self.vector[s:e], alpha=w)
             else:
@@ -319,6 +327,14 @@ class Round:
                     self.codec.decode_add_(acc[off - s:off - s + cnt], payload, w)
         self.pushes.clear()  # the payloads are no longer needed
         return acc, contrib, total_w
+
+    def _decoded(self, i: int) -> torch.Tensor:
+        """Member i's push of our slice, decoded whole (for its norm)."""
+        s, e = self.bounds[self.me]
+        out = torch.empty(e - s, dtype=torch.float32)
+        for off, cnt, payload in self.pushes[i]:
+            out[off - s:off - s + cnt] = self.codec.decode(payload, cnt)
+        return out
 
     def reduced(self, contrib: tuple[int, ...], encoded: list[tuple[int, int, bytes]], frames: list[Frame]) -> None:
         """Our own part, encoded and sealed: held like any other part (and forwarded alike)."""

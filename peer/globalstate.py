@@ -92,6 +92,9 @@ def apply(worker: Any, state: GlobalState) -> None:
                                  f"torch.float32 ({numel},); is the run's model config the same?")
     if len(state.rounds) != n:
         raise StateSyncError(f"the fetched state has {len(state.rounds)} round counters for {n} fragments")
+    for name, t in state.tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            raise StateSyncError(f"the fetched state's {name} holds NaN or infinite values; not loading it")
     # everything checked: now change the worker
     with torch.no_grad():
         for p, frag in enumerate(worker.outer):
@@ -205,12 +208,39 @@ def decode_state(index: StateIndex, blob: bytes | bytearray) -> GlobalState:
 
 
 
-def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2) -> tuple[bytes, list[bytes]] | None:
+PLAUSIBLE_ROUNDS_AHEAD = 2
+"""A state at most this many rounds ahead of ours must also be near ours (``check_distance``)."""
+PLAUSIBLE_FACTOR = 8.0
+"""How many of our largest outer steps one round of difference may account for."""
+
+
+def check_distance(worker: Any, state: GlobalState, rounds: Sequence[int]) -> None:
+    """Raise StateSyncError unless every fragment of ``state`` is as near ours as the rounds it
+    claims allow: within PLAUSIBLE_FACTOR x (rounds ahead + 2) x the largest outer step this
+    worker has taken of that fragment. Checked for states up to PLAUSIBLE_ROUNDS_AHEAD rounds
+    ahead (a repair, a catch-up after a short pause); for a fragment this worker never stepped,
+    or a state further ahead, nothing here can judge the distance, and the two or more donors
+    that vouch for it (peer.node.catchup) are what is trusted."""
+    for p, frag in enumerate(worker.outer):
+        ahead = max(0, int(state.rounds[p]) - int(rounds[p]))
+        scale = frag.largest_update_norm
+        if not scale or ahead > PLAUSIBLE_ROUNDS_AHEAD:
+            continue
+        limit = PLAUSIBLE_FACTOR * (ahead + 2) * scale
+        dist = float(torch.linalg.vector_norm(state.tensors[f"global/{p}"] - frag.global_flat, dtype=torch.float64))
+        if not dist <= limit:
+            raise StateSyncError(f"the fetched state's fragment {p} is {dist:.3g} away from ours, more than the "
+                                 f"{limit:.3g} that {ahead} round(s) ahead can explain; not loading it")
+
+
+def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2,
+                  trusted: frozenset[bytes] = frozenset()) -> tuple[bytes, list[bytes]] | None:
     """The state digest most peers vouch for, and its vouchers (public keys, sorted).
 
     ``vouches`` maps a peer's public key to the digest in its live heartbeat; empty digests are
     ignored. Ties go to the smallest digest, so every joiner picks the same one. None unless at
-    least ``min(min_vouchers, peers with a digest)`` peers vouch for the winner."""
+    least ``min_vouchers`` peers vouch for the winner, or one of them is ``trusted`` (the run's
+    creator): one peer's word alone, which any key can give, never picks a state."""
     by_digest: dict[bytes, list[bytes]] = {}
     for key, d in vouches.items():
         if d:
@@ -219,7 +249,7 @@ def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2) -> tuple[b
         return None
     best = min(by_digest, key=lambda d: (-len(by_digest[d]), d))
     vouchers = sorted(by_digest[best])
-    if len(vouchers) < min(min_vouchers, sum(len(v) for v in by_digest.values())):
+    if len(vouchers) < min_vouchers and not trusted.intersection(vouchers):
         return None
     return best, vouchers
 

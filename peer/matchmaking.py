@@ -161,8 +161,9 @@ class Matchmaker:
     that runs ``dht`` (see the module docstring for the scheme)."""
 
     def __init__(self, dht: DHTNode, identity: Identity, run_id: bytes, swarm: SwarmConfig, *,
-                 poll_s: float = 0.5):
+                 poll_s: float = 0.5, max_weight: float = 1e18):
         self.dht = dht
+        self.max_weight = max_weight  # the run's most tokens one sync may cover
         self.identity = identity
         self.run_id = bytes(run_id)
         self.swarm = swarm
@@ -199,8 +200,8 @@ class Matchmaker:
                     raise RemoteProtocolError(f"join time {joined_at:.0f} is in the future (now {now:.0f})")
                 if msg.numel != numel:
                     raise RemoteProtocolError(f"numel {msg.numel} is not ours ({numel})")
-                if not msg.weight > 0:
-                    raise RemoteProtocolError("weight must be positive")
+                if not 0 < msg.weight <= self.max_weight:
+                    raise RemoteProtocolError(f"weight {msg.weight:g} is not in (0, {self.max_weight:g}] tokens")
             except (RemoteProtocolError, TypeError) as e:
                 self._reject(writer, "join", e)
                 continue
@@ -227,8 +228,8 @@ class Matchmaker:
                     raise RemoteProtocolError(f"numel/codec {msg.numel}/{msg.codec} are not ours ({numel}/{codec})")
                 if msg.deadline_s != self.swarm.allreduce_timeout_s:
                     raise RemoteProtocolError(f"deadline {msg.deadline_s} s is not the run's")
-                if not sum(msg.weights) > 0:
-                    raise RemoteProtocolError("weights must have a positive sum")
+                if not sum(msg.weights) > 0 or max(msg.weights) > self.max_weight:
+                    raise RemoteProtocolError(f"weights must have a positive sum and none over {self.max_weight:g}")
             except (RemoteProtocolError, TypeError) as e:
                 self._reject(writer, "group", e)
                 continue
@@ -264,8 +265,8 @@ class Matchmaker:
                          now: Callable[[], float] = get_dht_time) -> Group | None:
         """Our group for (fragment, round), or None if nobody joined us before the deadline
         (``matchmaking_timeout_s`` after this call): then keep the local value this round."""
-        if not (math.isfinite(weight) and weight > 0):
-            raise LocalProtocolError(f"weight must be a positive number, got {weight}")
+        if not (math.isfinite(weight) and 0 < weight <= self.max_weight):
+            raise LocalProtocolError(f"weight must be a positive number up to {self.max_weight:g}, got {weight}")
         me = self.identity.public_key
         seed = round_seed(self.run_id, fragment, round)
         t_me = now()

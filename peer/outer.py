@@ -37,14 +37,28 @@ class OuterFragment:
         """delta = theta_global - theta_local, (N,) fp32: what this worker contributes."""
         return self.global_flat - self.local_flat()
 
+    largest_update_norm: float = 0.0
+    """At most how far (L2) one outer step of this process moved the global copy (0 before the
+    first): the scale against which a downloaded state's distance is judged."""
+
     @torch.no_grad()
     def step(self, avg_delta: torch.Tensor) -> None:
         """Apply the averaged pseudo-gradient to the global copy."""
         if avg_delta.shape != self.global_flat.shape:
             raise ValueError(f"averaged delta has shape {tuple(avg_delta.shape)}, expected {tuple(self.global_flat.shape)}")
-        self.global_flat.grad = avg_delta.to(torch.float32)
+        grad = avg_delta.to(torch.float32)
+        self.global_flat.grad = grad
         self.opt.step()
         self.global_flat.grad = None
+        # a bound on how far this step moved the global copy, without a copy of it: SGD moves it
+        # by lr * (g + m * buf) with Nesterov, lr * buf with plain momentum, lr * g without
+        group = self.opt.param_groups[0]
+        lr, m = group["lr"], group["momentum"]
+        g = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
+        buf = self.opt.state.get(self.global_flat, {}).get("momentum_buffer")
+        b = 0.0 if buf is None else float(torch.linalg.vector_norm(buf, dtype=torch.float64))
+        moved = lr * (g + m * b if group["nesterov"] else b if m > 0 else g)
+        self.largest_update_norm = max(self.largest_update_norm, moved)
 
     @torch.no_grad()
     def merge_into_local(self, alpha: float) -> None:

@@ -10,6 +10,7 @@ only becomes visible ``tau`` inner steps after its sync started.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from collections.abc import Callable
@@ -19,7 +20,7 @@ import torch
 from peer.data import Corpus, ShardSampler, heldout_batches, load_corpus
 from peer.model import Transformer
 from peer.worker import Worker, evaluate, pick_device
-from protocol.butterfly import slice_bounds
+from protocol.butterfly import clip_scales, slice_bounds, slice_norm
 from protocol.codecs import Codec, get_codec
 from protocol.config import ConfigError, TrainConfig
 
@@ -39,10 +40,15 @@ class SimulationConfig:
     """Held-out batches per evaluation (each inner.batch_size x model.seq_len tokens)."""
     device: str = "cpu"
     bf16: bool = False
+    liar_scale: float = 0.0
+    """If not 0, the last worker lies: it sends its pseudo-gradients multiplied by this (a
+    validly signed member pushing x1000); its own copy lands the true average like the others."""
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.steps < 1:
             raise ConfigError("simulation needs workers >= 1 and steps >= 1")
+        if not math.isfinite(self.liar_scale):
+            raise ConfigError("liar_scale must be finite")
         if self.eval_every < 0 or self.eval_batches < 1:
             raise ConfigError("eval_every must be >= 0 and eval_batches >= 1")
 
@@ -70,8 +76,10 @@ class SimulationResult:
         return asdict(self)
 
 
-def allreduce(vectors: list[torch.Tensor], weights: list[float], codec: Codec) -> tuple[torch.Tensor, list[int]]:
-    """Weighted mean of ``vectors`` by a butterfly all-reduce through ``codec``.
+def allreduce(vectors: list[torch.Tensor], weights: list[float], codec: Codec,
+              clip: float = 0.0) -> tuple[torch.Tensor, list[int]]:
+    """Weighted mean of ``vectors`` by a butterfly all-reduce through ``codec``, each reducer
+    scaling contributions down to ``clip`` times the lower median norm (0: the plain mean).
 
     Returns the mean every member ends up with (bit-identical for all) and the bytes each
     member sent. A group of one sends nothing and keeps its own vector exactly.
@@ -85,14 +93,17 @@ def allreduce(vectors: list[torch.Tensor], weights: list[float], codec: Codec) -
     result = torch.empty(numel, dtype=torch.float32)
     sent = [0] * n
     for j, (s, e) in enumerate(slice_bounds(numel, n)):
+        data = {i: codec.encode(vectors[i][s:e]) for i in range(n) if i != j}
+        for i, d in data.items():
+            sent[i] += len(d)
+        norms = [slice_norm(vectors[i][s:e] if i == j else codec.decode(data[i], e - s)) for i in range(n)]
+        scales = clip_scales(norms, clip)
         acc = torch.zeros(e - s, dtype=torch.float32)  # reducer j's fp32 accumulator
         for i in range(n):
             if i == j:
-                acc.add_(vectors[i][s:e], alpha=w[i])
+                acc.add_(vectors[i][s:e], alpha=w[i] * scales[i])
             else:
-                data = codec.encode(vectors[i][s:e])
-                sent[i] += len(data)
-                codec.decode_add_(acc, data, w[i])
+                codec.decode_add_(acc, data[i], w[i] * scales[i])
         out = codec.encode(acc)
         sent[j] += len(out) * (n - 1)
         result[s:e] = codec.decode(out, e - s)
@@ -143,8 +154,10 @@ class Simulation:
         self.step_count += 1
         if self.schedule is not None:
             for p in self.schedule.starts_after(self.step_count):
-                deltas, weights = zip(*(w.begin_sync(p) for w in workers))
-                avg, sent = allreduce(list(deltas), list(weights), self.codec)
+                deltas, weights = map(list, zip(*(w.begin_sync(p) for w in workers)))
+                if self.cfg.liar_scale:
+                    deltas[-1] = deltas[-1] * self.cfg.liar_scale
+                avg, sent = allreduce(deltas, weights, self.codec, tc.sync.clip)
                 self._account(sent)
                 self.in_flight[p] = avg  # visible to the workers only after `tau` more steps
             for p in self.schedule.lands_after(self.step_count):

@@ -140,7 +140,8 @@ class Worker:
 
     def begin_sync(self, fragment: int) -> tuple[torch.Tensor, int]:
         """This worker's pseudo-gradient for ``fragment`` and its weight (tokens it covers)."""
-        weight = self.tokens_since_sync[fragment]
+        # more than H steps' worth only after a skipped sync: peers refuse weights above the cap
+        weight = min(self.tokens_since_sync[fragment], self.cfg.max_sync_tokens())
         self.tokens_since_sync[fragment] = 0
         return self.outer[fragment].pseudo_gradient(), weight
 

@@ -5,11 +5,23 @@ first ``N % n`` slices one element longer). Member j reduces slice j: every othe
 sends it its encoded slice j, member j accumulates them in fp32 with its own (unencoded)
 values, encodes the weighted mean once, and sends that back to the n-1 others. Every member,
 reducer included, then uses the *decoded* mean, so all members hold bit-identical results.
+
+Robust mean: before accumulating, the reducer measures every contribution's norm (its own
+slice's, and each foreign slice's as decoded) and scales down any above ``clip`` times the
+*lower* median of those norms (``clip_scales``). The reducer trusts its own slice, and a
+lower median is an honest member's norm, or bounded by two of them, as long as fewer than
+half the contributors are larger than every honest one; in a group of two it is the smaller
+norm. So one member's slice moves the mean by at most ``clip`` times an honest norm times its
+weight share, whatever it sent (x1000, 1e30). Honest pseudo-gradients of one round have
+norms within a few percent of each other, so with ``clip`` = 2 honest rounds are never
+scaled (``bench/quality.py`` measures it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import torch
 
 
 def slice_bounds(numel: int, n: int) -> list[tuple[int, int]]:
@@ -32,3 +44,17 @@ def bytes_sent(numel: int, n: int, encoded_size: Callable[[int], int]) -> list[i
     sizes = [encoded_size(e - s) for s, e in bounds]
     total = sum(sizes)
     return [(total - sizes[j]) + (n - 1) * sizes[j] for j in range(n)]
+
+
+def slice_norm(x: torch.Tensor) -> float:
+    """The L2 norm of a slice, in float64 (no overflow for any finite float32 values)."""
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64))
+
+
+def clip_scales(norms: Sequence[float], clip: float) -> list[float]:
+    """Per contribution, the factor (at most 1) that brings its norm down to ``clip`` times the
+    lower median of ``norms``; all 1.0 when ``clip`` is 0 (the plain mean) or for one norm."""
+    if not clip or len(norms) < 2:
+        return [1.0] * len(norms)
+    bound = clip * sorted(norms)[(len(norms) - 1) // 2]
+    return [1.0 if n <= bound else bound / n for n in norms]

@@ -200,6 +200,10 @@ class SyncConfig:
     local copy (DiLoCo); 0.5 is robust for overlap up to ~5 (Streaming DiLoCo)."""
     codec: str = "fp32"
     """Wire format of pseudo-gradients: fp32, fp16, bf16, int8, fp4."""
+    clip: float = 2.0
+    """Robust averaging: each reducer scales a member's slice down to at most ``clip`` times
+    the lower median of the slices' norms before taking the mean, so one member cannot push
+    the average arbitrarily far (see docs/THREAT_MODEL.md). 0 takes the plain weighted mean."""
 
     def __post_init__(self) -> None:
         _check(self.method in ("diloco", "ddp"), f"sync.method must be 'diloco' or 'ddp', got {self.method!r}")
@@ -213,6 +217,8 @@ class SyncConfig:
                f"sync.overlap (tau={self.overlap}) must be < H/P = {self.inner_steps // self.fragments} "
                "so a fragment's average lands before its next sync")
         _check(0.0 <= self.alpha < 1.0, f"sync.alpha must be in [0, 1), got {self.alpha}")
+        _check(self.clip == 0.0 or 1.0 <= self.clip <= 1e6,
+               f"sync.clip must be 0 (plain mean) or in [1, 1e6], got {self.clip}")
         _check(self.codec in CODEC_NAMES, f"sync.codec must be one of {', '.join(CODEC_NAMES)}, got {self.codec!r}")
 
 
@@ -225,6 +231,11 @@ class TrainConfig:
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+
+    def max_sync_tokens(self) -> int:
+        """The most tokens one fragment's sync may cover: H inner steps of batch x accumulation
+        x sequence length. A member declaring more weight is refused (peer.matchmaking)."""
+        return self.sync.inner_steps * self.inner.batch_size * self.inner.grad_accum * self.model.seq_len
 
     def __post_init__(self) -> None:
         _check(self.sync.fragments <= self.model.n_layers,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
-from peer.globalstate import StateSyncError, apply, choose_digest, snapshot
+from peer.globalstate import StateSyncError, apply, check_distance, choose_digest, snapshot
 from peer.network import NetworkError
 from peer.node.config import STATE_INDEX_ATTEMPTS
 from peer.statesync import current_indexes, fetch_state
@@ -35,10 +35,20 @@ class CatchUpMixin:
         lag = 1 if joining or not self._caught_up or self._repair_due else 2
         ahead = {k: hb.state_digest for k, hb in peers.items()
                  if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
-        choice = choose_digest(ahead)
+        # any key can claim to be ahead: believe two peers vouching for one state, or the run's
+        # creator; one peer alone only when it is the only other peer holding a state (a swarm
+        # of two, where nothing could tell a liar from an honest peer)
+        holders = sum(1 for hb in peers.values() if hb.state_digest)
+        need = 2 if holders >= 2 else 1
+        choice = choose_digest(ahead, min_vouchers=need, trusted=self._trusted)
+        claims = set(ahead.values()) - self._refused_claims
+        if claims and choice is None:
+            self._refused_claims |= claims  # said once per claimed state, not at every check
+            log.warning("%d peer(s) claim to be ahead of round %d but no two vouch for one state; not downloading "
+                        "(peers %s)", len(ahead), mine, ", ".join(peer_id_from_public_key(k) for k in ahead))
         if choice is not None:
             log.info("peers are ahead of round %d; downloading their state", mine)
-            self._download(swarm, choice[1], peers, fast_forward=True)
+            self._download(swarm, choice[1], peers, fast_forward=True, min_donors=need)
             return
         if joining and not ahead:
             self._caught_up = True  # nobody is ahead of us: we start in step with the swarm
@@ -61,14 +71,17 @@ class CatchUpMixin:
             log.warning("global state differs from %d peers at rounds %s; downloading theirs",
                         len(choice[1]), self.stats.rounds)
             # fast-forward: take their next landing and start right before their next sync, so
-            # we are back in step with them in time too, not only in state
-            self._download(swarm, choice[1], peers, fast_forward=True)
+            # we are back in step with them in time too, not only in state. One voucher (two
+            # peers that each averaged alone) is enough here only because the state must then be
+            # near ours (globalstate.check_distance): a liar cannot move us far
+            self._download(swarm, choice[1], peers, fast_forward=True, min_donors=1)
 
     def _current_state(self, swarm, donors: list[str], newer_than: tuple[int, ...] | None = None,
-                       wait_s: float = 0.0) -> tuple[bytes, list[str], tuple[int, ...]]:
-        """The digest of the state that the most of ``donors`` serve now (two or more of them when
-        two or more answer), the donors serving it, and its rounds. With ``newer_than``, poll up to
-        ``wait_s`` seconds for a state past those rounds (the swarm's next landing)."""
+                       wait_s: float = 0.0, min_donors: int = 2) -> tuple[bytes, list[str], tuple[int, ...]]:
+        """The digest of the state that the most of ``donors`` serve now (``min_donors`` or more
+        of them, or the run's creator), the donors serving it, and its rounds. With
+        ``newer_than``, poll up to ``wait_s`` seconds for a state past those rounds (the swarm's
+        next landing)."""
         deadline = time.monotonic() + wait_s
         attempt = 0
         while True:
@@ -82,19 +95,21 @@ class CatchUpMixin:
                 raise StateSyncError(f"none of {len(donors)} donors answered with a state index")
             digest, serving = max(by_digest.items(), key=lambda kv: (len(kv[1]), sum(served[kv[1][0]][1].rounds)))
             rounds = tuple(served[serving[0]][1].rounds)
-            agreed = len(serving) >= min(2, len(served))
+            agreed = len(serving) >= min_donors or bool(self._trusted_ids.intersection(serving))
             if agreed and (newer_than is None or sum(rounds) > sum(newer_than)):
                 return digest, serving, rounds
             attempt += 1
             # donors caught mid-landing serve two consecutive states for a moment; or we wait
             # for the round in flight to land
             if attempt >= STATE_INDEX_ATTEMPTS and time.monotonic() >= deadline:
-                raise StateSyncError(f"donors disagree on the state ({len(by_digest)} different ones)"
-                                     if not agreed else "the swarm did not land a new round in time")
+                raise StateSyncError(f"no {min_donors} donors serve one state ({len(served)} answered, "
+                                     f"{len(by_digest)} different states)" if not agreed
+                                     else "the swarm did not land a new round in time")
             if self.stop_event.wait(0.25):
                 raise StateSyncError("stopped")
 
-    def _download(self, swarm, vouchers: list[bytes], peers: dict, *, fast_forward: bool) -> None:
+    def _download(self, swarm, vouchers: list[bytes], peers: dict, *, fast_forward: bool,
+                  min_donors: int = 2) -> None:
         """Download the global state that the most of ``vouchers`` serve now and load it. To catch
         up (``fast_forward``), take the state of the swarm's *next* landing: the swarm is already
         matching peers for the round in flight, and a state from before it would always leave us
@@ -105,10 +120,11 @@ class CatchUpMixin:
         t0 = time.perf_counter()
         try:
             donors = [peer_id_from_public_key(v) for v in vouchers]
-            digest, serving, rounds = self._current_state(swarm, donors)
+            digest, serving, rounds = self._current_state(swarm, donors, min_donors=min_donors)
             if fast_forward:
                 digest, serving, rounds = self._current_state(
-                    swarm, serving, newer_than=rounds, wait_s=swarm.matchmaking_timeout_s + swarm.allreduce_timeout_s)
+                    swarm, serving, newer_than=rounds, wait_s=swarm.matchmaking_timeout_s + swarm.allreduce_timeout_s,
+                    min_donors=min_donors)
             self.on_event({"event": "syncing_state", "donors": len(serving)})
             label = f"downloading the global state from {len(serving)} peers"
             self._progress = (0.0, label)
@@ -119,6 +135,12 @@ class CatchUpMixin:
             state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, serving, digest,
                                               chunk_timeout_s=swarm.state_chunk_timeout_s, progress=progress),
                                   timeout=swarm.state_chunk_timeout_s * 8 + 60)
+            if tuple(state.rounds) != tuple(rounds):
+                raise StateSyncError(f"the state's rounds {list(state.rounds)} are not the {list(rounds)} its index said")
+            check_distance(worker, state, self.stats.rounds)
+            for name, t in state.tensors.items():
+                if not bool(t.isfinite().all()):
+                    raise StateSyncError(f"the state's {name} holds NaN or infinite values")
         except (StateSyncError, NetworkError) as e:
             log.warning("state sync failed reason=%s; training from round %s", e, self.stats.rounds)
             self.state = previous if previous != "joining" else "training"

@@ -55,6 +55,7 @@ from peer.settings_store import load_settings
 from peer.statesync import StateServer
 from peer.sync_pipeline import SyncPipeline
 from peer.worker import Worker
+from protocol.identity import peer_id_from_public_key
 from protocol.manifest import SignedManifest, open_manifest
 from protocol.messages import Message
 from protocol.messages_control import (
@@ -131,11 +132,14 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             self.run_id = self.signed.run_id
             self.net.call(self.presence.publish_manifest(self.manifest_bytes, self.run_id), timeout=30)
             swarm = self.signed.manifest.swarm
+            train = self.signed.manifest.train
             self.averager = Averager(self.net.p2p, self.identity, self.run_id, upload=self.upload_limiter,
-                                     download=self.download_limiter)
+                                     download=self.download_limiter, clip=train.sync.clip,
+                                     max_weight=train.max_sync_tokens())
             self.averager.reconnect = self._reconnect_relayed
             self.net.call(self.averager.start(), timeout=30)
-            self.matchmaker = Matchmaker(self.net.dht, self.identity, self.run_id, swarm)
+            self.matchmaker = Matchmaker(self.net.dht, self.identity, self.run_id, swarm,
+                                         max_weight=train.max_sync_tokens())
             self.state_server = StateServer(self.net.p2p, self.identity, self.run_id,
                                             chunk_bytes=swarm.state_chunk_bytes)
             self.net.call(self.state_server.start(), timeout=30)
@@ -144,6 +148,9 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             self._publishing = None
             self._alone_this_round = False  # averaged alone since our last full round
             self._repair_due = False  # the last full round had a lone sync: compare with the majority
+            creator = self.signed.manifest.creator  # its word on the state is enough alone (catchup)
+            self._trusted, self._trusted_ids = frozenset({creator}), frozenset({peer_id_from_public_key(creator)})
+            self._refused_claims: set[bytes] = set()  # state digests claimed ahead by too few peers
             self._caught_up = False  # joined the swarm's state (or found nobody ahead); until then lag 1
             self._sync_started_at: list[int] = []  # step of each fragment's latest contribution
             self._maddrs = self.net.visible_maddrs()

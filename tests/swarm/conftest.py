@@ -39,3 +39,19 @@ def background_nodes():
     yield identities
     for key in identities:
         kill_process_group(identity_holder(key))
+
+
+@pytest.fixture
+def procs():
+    """Helper processes started with ``swarm_util.start_process``: told to stop, then ended
+    with their libp2p daemons."""
+    started: list = []
+    yield started
+    for _, stop in started:
+        stop.set()
+    for p, _ in started:
+        p.join(15)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+        kill_process_group(p.pid)  # its p2pd (each helper leads its own process group)

@@ -66,3 +66,47 @@ def forger(identity_path: str, initial_peers: list[str], run_id: bytes, victim_k
         net.call(net.dht.store(peers_key(run_id), seal(wrong_run, ident), exp, subkey=ident.public_key), 30)
         out_q.put(("done", ident.peer_id))
         stop_evt.wait(120)
+
+
+def lying_donor(identity_path: str, initial_peers: list[str], manifest_path: str, out_q, stop_evt) -> None:
+    """A validly signed member of the run that lies about the state: its heartbeat claims 50
+    rounds more than anyone has done, and it serves a self-consistent state of zeros under
+    that digest (fine by every hash and signature check)."""
+    own_process_group()
+    from pathlib import Path
+
+    import torch
+
+    from peer.globalstate import GlobalState, snapshot
+    from peer.identity_store import load_or_create_identity
+    from peer.network import Network, NetworkConfig
+    from peer.presence import Presence
+    from peer.statesync import StateServer
+    from peer.worker import Worker
+    from protocol.manifest import open_manifest
+    from protocol.messages_swarm import Heartbeat
+
+    signed = open_manifest(Path(manifest_path).read_bytes())
+    train, swarm = signed.manifest.train, signed.manifest.swarm
+    rounds = (50,) * train.sync.fragments
+    real = snapshot(Worker(train), rounds)
+    zeros = GlobalState({k: torch.zeros_like(v) for k, v in real.tensors.items()}, rounds,
+                        50 * train.sync.inner_steps)
+    ident = load_or_create_identity(identity_path)
+    with Network(NetworkConfig(identity_path=identity_path, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+                               initial_peers=tuple(initial_peers))) as net:
+        server = StateServer(net.p2p, ident, signed.run_id, chunk_bytes=swarm.state_chunk_bytes)
+        net.call(server.start(), 30)
+        digest = net.call(server.publish(zeros), 60)
+        presence = Presence(net.dht, ident)
+        announced = False
+        while not stop_evt.is_set():
+            hb = Heartbeat(run_id=signed.run_id, sent_at=get_dht_time(), state="training", step=zeros.step,
+                           tokens=10 ** 9, tokens_per_s=1e6, rounds=rounds, state_digest=digest, reachable=True,
+                           maddrs=tuple(net.visible_maddrs()), client="swarmstream/liar", device="cpu")
+            net.call(presence.announce(hb, swarm.heartbeat_ttl_s), 30)
+            if not announced:
+                out_q.put(("ready", ident.peer_id, digest))
+                announced = True
+            stop_evt.wait(swarm.heartbeat_interval_s)
+        net.call(server.shutdown(), 10)

@@ -77,3 +77,16 @@ def identity_holder(identity_path: Path) -> int | None:
         return None
     finally:
         os.close(fd)
+
+
+def start_process(procs: list, target, *args):
+    """Start ``target(*args, out_q, stop_event)`` in a spawned process, kept in ``procs`` (the
+    ``procs`` fixture ends it); -> its output queue."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=target, args=(*args, q, stop), daemon=True)
+    p.start()
+    procs.append((p, stop))
+    return q

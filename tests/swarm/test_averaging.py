@@ -19,7 +19,7 @@ import torch
 
 from peer.allreduce import RESULT_GRACE
 from peer.simulation import allreduce as simulated_allreduce
-from protocol.butterfly import slice_bounds
+from protocol.butterfly import clip_scales, slice_bounds, slice_norm
 from protocol.codecs import get_codec
 from swarm_util import kill_process_group
 
@@ -28,6 +28,7 @@ CTX = mp.get_context("spawn")
 RUN_ID = bytes(range(20))
 NUMEL = 10_001  # not divisible by the group sizes: slices of unequal length
 REPLY_TIMEOUT = 45.0
+CLIP = 2.0  # the averagers' sync.clip (the default): the references below use it too
 
 
 def make_vector(seed: int, numel: int = NUMEL) -> torch.Tensor:
@@ -65,7 +66,7 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
     ident = load_or_create_identity(key_path)
     with Network(NetworkConfig(identity_path=key_path, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
                                initial_peers=tuple(initial_peers))) as net:
-        av = Averager(net.p2p, ident, RUN_ID, max_frame_bytes=max_frame_bytes)
+        av = Averager(net.p2p, ident, RUN_ID, max_frame_bytes=max_frame_bytes, clip=CLIP)
         net.call(av.start(), 30)
         out_q.put(("ready", net.visible_maddrs(), ident.public_key, net.p2p._child.pid))
         while True:
@@ -82,19 +83,22 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
                 group = Group(**fields)
                 vec = make_vector(seed, group.numel)
                 me = group.members.index(ident.public_key)
+                if behaviour.startswith("scale:"):  # a liar: valid frames, values scaled
+                    vec, behaviour = vec * float(behaviour[6:]), "honest"
                 if behaviour != "bad":
                     fault(av, behaviour)
                     out = net.call(av.allreduce(group, vec, group.weights[me]), 60)
                     out_q.put(("done", out.average.numpy().tobytes(), out.dropped, out.fallback_parts,
                                out.bytes_sent, out.elapsed_s, list(logs.lines),
-                               {"repaired": out.repaired_parts, "agreed": out.agreed, "partial": out.partial_parts}))
+                               {"repaired": out.repaired_parts, "agreed": out.agreed, "partial": out.partial_parts,
+                                "clipped": out.clipped}))
                 else:
                     net.call(send_bad_slices(av, group, vec, me), 30)
                     out_q.put(("sent",))
             elif cmd == "match":
-                round_, group_size, timeout_s, seed, weight = args
+                round_, group_size, timeout_s, seed, weight, max_weight = args
                 swarm = SwarmConfig(group_size=group_size, matchmaking_timeout_s=timeout_s, allreduce_timeout_s=10.0)
-                mm = Matchmaker(net.dht, ident, RUN_ID, swarm, poll_s=0.25)
+                mm = Matchmaker(net.dht, ident, RUN_ID, swarm, poll_s=0.25, max_weight=max_weight)
                 group = net.call(mm.form_group(0, round_, weight, NUMEL, "fp32"), 60)
                 if group is None:
                     out_q.put(("matched", None, None))
@@ -236,12 +240,14 @@ def partial_reference(vectors: list[torch.Tensor], weights: list[float], alive: 
     for j, (s, e) in enumerate(slice_bounds(vectors[0].numel(), n)):
         if j not in alive:
             continue
+        norms = [slice_norm(vectors[i][s:e] if i == j else codec.decode(codec.encode(vectors[i][s:e]), e - s))
+                 for i in alive]
         acc = torch.zeros(e - s)
-        for i in alive:
+        for i, scale in zip(alive, clip_scales(norms, CLIP)):
             if i == j:
-                acc.add_(vectors[i][s:e], alpha=weights[i] / total)
+                acc.add_(vectors[i][s:e], alpha=weights[i] / total * scale)
             else:
-                codec.decode_add_(acc, codec.encode(vectors[i][s:e]), weights[i] / total)
+                codec.decode_add_(acc, codec.encode(vectors[i][s:e]), weights[i] / total * scale)
         out[j] = codec.decode(codec.encode(acc), e - s)
     return out
 
@@ -261,7 +267,7 @@ def test_four_peers_get_the_bit_identical_weighted_mean_in_fp32_and_fp4(swarm):
         for i, p in enumerate(peers):
             p.cmd.put(("allreduce", fields, 100 + i, "honest"))
         replies = [p.reply() for p in peers]
-        ref, ref_sent = simulated_allreduce(vectors, weights, get_codec(codec))
+        ref, ref_sent = simulated_allreduce(vectors, weights, get_codec(codec), CLIP)
         for kind, avg, dropped, fallback, sent, elapsed, _, _ in replies:
             assert kind == "done" and dropped == () and fallback == ()
             assert avg == replies[0][1]  # bit-identical on every member
@@ -377,7 +383,7 @@ def test_matchmaking_puts_five_peers_in_consistent_bounded_groups_and_a_lone_pee
     vectors = {keys[i]: make_vector(500 + i) for i in range(5)}
     for round_, group_size in ((1, 3), (2, 2)):
         for i, p in enumerate(peers):
-            p.cmd.put(("match", round_, group_size, 5.0, 500 + i, weights[i]))
+            p.cmd.put(("match", round_, group_size, 5.0, 500 + i, weights[i], 1e18))
         replies = [p.reply() for p in peers]
         groups: dict[bytes, tuple[bytes, ...]] = {}
         alone = []
@@ -389,16 +395,54 @@ def test_matchmaking_puts_five_peers_in_consistent_bounded_groups_and_a_lone_pee
             assert keys[i] in fields["members"] and 2 <= len(fields["members"]) <= group_size
             assert groups.setdefault(fields["group_id"], fields["members"]) == fields["members"]  # same order
             members = fields["members"]
-            ref, _ = simulated_allreduce([vectors[k] for k in members], list(fields["weights"]), get_codec("fp32"))
+            ref, _ = simulated_allreduce([vectors[k] for k in members], list(fields["weights"]), get_codec("fp32"), CLIP)
             assert torch.equal(as_tensor(avg), ref)  # and the group really averaged
         in_groups = [k for m in groups.values() for k in m]
         assert len(in_groups) == len(set(in_groups))  # nobody in two groups
         assert sorted(in_groups + [keys[i] for i in alone]) == sorted(keys)  # everybody somewhere
         assert len(alone) == (1 if group_size == 2 else 0)  # only the odd one out of 5 in pairs
 
-    peers[0].cmd.put(("match", 3, 2, 3.0, 500, weights[0]))  # nobody else is ready for round 3
+    peers[0].cmd.put(("match", 3, 2, 3.0, 500, weights[0], 1e18))  # nobody else is ready for round 3
     kind, fields, _ = peers[0].reply()
     assert kind == "matched" and fields is None
+
+
+def test_a_validly_signed_liar_moves_the_mean_a_bounded_amount_and_cannot_overweight_itself(swarm):
+    """Member 3 follows the protocol but pushes its vector x1e29 (values near 1e29: finite,
+    validly fp4-encoded). Every reducer, the liar's own code included, scales its slice down
+    to CLIP x the lower median norm, so all four land the reference's clipped mean, close to
+    the honest one, instead of ~1e28 (which turned every honest model into NaN). Then a
+    member that declares more weight than the run allows for one sync is left out of the
+    groups: the honest peers average among themselves."""
+    peers = swarm(4)
+    weights = [1.0, 1.0, 1.0, 1.0]
+    fields = group_fields(peers, weights, "fp4", group_id=b"liar".ljust(16, b"\0"), deadline_s=6.0)
+    for i, p in enumerate(peers):
+        p.cmd.put(("allreduce", fields, 600 + i, "scale:1e29" if i == 3 else "honest"))
+    replies = [p.reply() for p in peers]
+    vectors = [make_vector(600 + i) for i in range(4)]
+    vectors[3] = vectors[3] * 1e29
+    ref, _ = simulated_allreduce(vectors, weights, get_codec("fp4"), CLIP)
+    plain, _ = simulated_allreduce(vectors, weights, get_codec("fp4"), 0.0)
+    honest = sum(vectors[:3]) / 4
+    for i, (kind, avg, dropped, fallback, _, _, lines, more) in enumerate(replies):
+        assert kind == "done" and dropped == () and fallback == (), (i, lines)
+        assert avg == replies[0][1] and torch.equal(as_tensor(avg), ref)
+        assert more["clipped"] == (3,), (i, lines)  # every reducer scaled the liar's slice, and only it
+    got = as_tensor(replies[0][1])
+    # the liar's share is at most CLIP x an honest slice's norm / 4 (plus the codec's error)
+    for s, e in slice_bounds(NUMEL, 4):
+        bound = CLIP * max(float(v[s:e].norm()) for v in vectors[:3]) / 4
+        assert float((got[s:e] - honest[s:e]).norm()) < 1.2 * bound
+    assert float(plain.abs().max()) > 1e27  # what the plain mean would have landed
+
+    heavy = [1.0, 1.0, 1.0, 50.0]  # member 3's join claims 50 tokens; the run allows 10 per sync
+    for i, p in enumerate(peers):
+        p.cmd.put(("match", 7, 4, 4.0, 700 + i, heavy[i], 1e18 if i == 3 else 10.0))
+    replies = [p.reply() for p in peers]
+    keys = [p.public_key for p in peers]
+    for kind, group, _ in replies[:3]:
+        assert kind == "matched" and group is not None and sorted(group["members"]) == sorted(keys[:3])
 
 
 def test_bandwidth_caps_hold_the_averaging_streams_to_the_volunteers_rate(swarm):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from peer.demo import Demo
-from swarm_util import Events
+import swarm_peers
+from swarm_util import Events, start_process
 from peer.identity_store import load_or_create_identity
 from peer.network import Network, NetworkConfig
 from peer.presence import Presence
@@ -174,20 +175,26 @@ def test_a_peer_killed_mid_allreduce_is_dropped_expires_and_resumes_from_its_che
     assert summary["errors"] == []
 
 
-def test_a_late_joiner_downloads_the_state_and_then_matches_the_others_bit_for_bit(tmp_path, demos):
+def test_a_late_joiner_downloads_the_state_and_then_matches_the_others_bit_for_bit(tmp_path, demos, procs):
     """From its download on, the joiner holds what the others hold: in every round that all
     four averaged as one group with nobody dropped, having entered it with one copy, they land
     one digest. On a busy machine a round may split or drop a slow member (the protocol allows
     that and repairs it), so the run goes on until the joiner has averaged in such a round,
-    rather than for a fixed number of rounds that load could leave without one."""
+    rather than for a fixed number of rounds that load could leave without one.
+
+    Meanwhile a validly signed liar claims to be 50 rounds ahead and serves a state of zeros:
+    nobody else vouches for it, so neither the peers in the run nor the joiner take it."""
     events = Events()
     demo = Demo(3, rounds=None, workdir=tmp_path, on_event=events)
     demos.append(demo)
     demo.start()
+    liar = start_process(procs, swarm_peers.lying_donor, str(tmp_path / "liar.key"), demo.bootstrap,
+                         str(tmp_path / "demo.swarmrun"))
+    assert liar.get(timeout=60)[0] == "ready"
     events.wait_for(lambda i, ev: i == 0 and ev.get("event") == "synced" and ev["fragment"] == 1 and ev["round"] == 1)
     demo.add_peer()  # peer 3 joins after 2 full rounds
     _, synced = events.wait_for(lambda i, ev: i == 3 and ev.get("event") == "state_synced", timeout=180)
-    assert min(synced["rounds"]) >= 2
+    assert 2 <= min(synced["rounds"]) and max(synced["rounds"]) < 50  # the swarm's state, not the liar's
     finish_after_a_clean_round(demo, events, 4, 420, "the joiner never averaged in a full group with nobody dropped")
     summary = demo.wait()
     assert summary["errors"] == [] and set(demo.summaries) == {0, 1, 2, 3}
@@ -196,6 +203,10 @@ def test_a_late_joiner_downloads_the_state_and_then_matches_the_others_bit_for_b
     digests = {i: s["global_digest"] for i, s in demo.summaries.items()}
     if all(not s["dropped_peers"] and not s["syncs_alone"] for s in demo.summaries.values()):
         assert len(set(digests.values())) == 1, digests
+    seen = events.seen
+    assert not [ev for i, ev in seen if ev.get("event") == "state_synced" and max(ev["rounds"]) >= 50]
+    logs = "".join((tmp_path / f"peer{i}.log").read_text() for i in range(4))
+    assert "no two vouch for one state" in logs  # the liar's claim was seen, and refused
 
 
 def test_ctrl_c_stops_a_node_within_seconds_with_its_work_saved_and_no_daemon_left(tmp_path, demos):

@@ -1,11 +1,10 @@
 """Manifests, heartbeats and the run list in a real DHT, with a hostile peer writing to it."""
 
-import multiprocessing as mp
 import time
 
 import pytest
 import swarm_peers
-from swarm_util import kill_process_group
+from swarm_util import start_process as start
 
 from peer.identity_store import load_or_create_identity
 from peer.network import Network, NetworkConfig, NetworkError
@@ -15,29 +14,6 @@ from protocol.identity import Identity
 from protocol.manifest import RunManifest, SwarmConfig, open_manifest, sign_manifest
 
 pytestmark = pytest.mark.swarm
-CTX = mp.get_context("spawn")
-
-
-@pytest.fixture
-def procs():
-    started = []
-    yield started
-    for _, stop in started:
-        stop.set()
-    for p, _ in started:
-        p.join(15)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-        kill_process_group(p.pid)  # its p2pd (each peer leads its own process group)
-
-
-def start(procs, target, *args):
-    q, stop = CTX.Queue(), CTX.Event()
-    p = CTX.Process(target=target, args=(*args, q, stop), daemon=True)
-    p.start()
-    procs.append((p, stop))
-    return q
 
 
 def test_join_by_run_id_finds_the_verified_manifest_peers_and_run_despite_a_forger(tmp_path, procs):

@@ -4,10 +4,12 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from peer.simulation import Simulation, SimulationConfig, allreduce
 from peer.worker import Worker, lr_at
-from protocol.butterfly import bytes_sent, slice_bounds
+from protocol.butterfly import bytes_sent, clip_scales, slice_bounds
 from protocol.codecs import get_codec
 from protocol.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, SyncConfig, TrainConfig
 
@@ -124,3 +126,30 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(60, cfg) == pytest.approx(0.55)
     assert lr_at(110, cfg) == pytest.approx(0.1) and lr_at(500, cfg) == pytest.approx(0.1)
+
+
+@given(st.lists(st.floats(0.75, 1.5), min_size=2, max_size=16), st.floats(1e3, 1e30), st.integers(0, 15))
+def test_clipping_leaves_similar_norms_alone_and_bounds_a_liar_by_the_honest_norms(honest, lie, at):
+    """Norms within 2x of each other are never scaled (honest rounds are the plain mean); one
+    huge norm among them is brought down to at most CLIP x the largest honest one."""
+    assert clip_scales(honest, 2.0) == [1.0] * len(honest)
+    norms = list(honest)
+    norms.insert(at % (len(norms) + 1), lie)
+    scaled = [n * s for n, s in zip(norms, clip_scales(norms, 2.0))]
+    assert max(scaled) <= 2.0 * max(honest) * (1 + 1e-12)
+    assert clip_scales(norms, 0.0) == [1.0] * len(norms)  # clip 0: the plain mean
+
+
+def test_a_liar_in_the_simulated_allreduce_moves_the_clipped_mean_a_bounded_amount():
+    g = torch.Generator().manual_seed(5)
+    vecs = [torch.randn(1000, generator=g) for _ in range(3)] + [torch.full((1000,), 1e30)]
+    codec = get_codec("fp32")
+    plain, _ = allreduce(vecs, [1.0] * 4, codec)
+    robust, _ = allreduce(vecs, [1.0] * 4, codec, clip=2.0)
+    honest = sum(vecs[:3]) / 4
+    assert float(plain.abs().max()) > 1e29
+    for s, e in slice_bounds(1000, 4):
+        bound = 2.0 * max(float(v[s:e].norm()) for v in vecs[:3]) / 4
+        assert float((robust[s:e] - honest[s:e]).norm()) <= bound * (1 + 1e-5)
+    same, _ = allreduce(vecs[:3], [1.0, 2.0, 3.0], codec, clip=2.0)  # honest: clipping changes no bit
+    assert torch.equal(same, allreduce(vecs[:3], [1.0, 2.0, 3.0], codec)[0])

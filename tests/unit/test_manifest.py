@@ -55,6 +55,10 @@ def test_swarm_defaults_are_valid_and_bad_values_name_the_field():
                        (dict(state_chunk_bytes=10), "state_chunk_bytes")]:
         with pytest.raises(ConfigError, match=field):
             SwarmConfig(**bad)
+    for clip in (0.5, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="sync.clip"):
+            SyncConfig(clip=clip)
+    assert SyncConfig(clip=0.0).clip == 0.0 and SyncConfig().clip == 2.0
 
 
 # ---------------------------------------------------------------------------------------

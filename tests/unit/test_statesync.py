@@ -8,6 +8,7 @@ import torch
 from peer.statesync import (
     GlobalState, StateSyncError, apply, choose_digest, decode_state, encode_state, index_digest, snapshot,
 )
+from peer.globalstate import check_distance
 from peer.worker import Worker
 from protocol.config import DataConfig, InnerConfig, ModelConfig, SyncConfig, TrainConfig
 
@@ -123,8 +124,9 @@ X, Y, Z = (bytes([0xA0 + i]) * 32 for i in range(3))
 @pytest.mark.parametrize(("vouches", "min_vouchers", "expected"), [
     ({}, 2, None),
     ({A: b"", B: b""}, 2, None),  # nobody holds a state yet
-    ({A: X}, 2, (X, [A])),  # a lone peer: one voucher is all there can be
-    ({A: X, B: b""}, 2, (X, [A])),
+    ({A: X}, 2, None),  # a lone peer's word is not enough: any key can claim to be ahead
+    ({A: X, B: b""}, 2, None),
+    ({A: X}, 1, (X, [A])),
     ({A: X, B: Y}, 2, None),  # two peers disagree: nobody to trust
     ({A: X, B: X, C: Y}, 2, (X, [A, B])),
     ({C: Y, B: X, A: X, D: Y, E: Z}, 2, (X, [A, B])),  # a tie goes to the smaller digest
@@ -133,3 +135,41 @@ X, Y, Z = (bytes([0xA0 + i]) * 32 for i in range(3))
 ])
 def test_choose_digest(vouches, min_vouchers, expected):
     assert choose_digest(vouches, min_vouchers) == expected
+
+
+def test_the_run_creator_alone_is_enough_and_nobody_else_alone_is():
+    assert choose_digest({A: X}, trusted=frozenset({A})) == (X, [A])
+    assert choose_digest({A: X}, trusted=frozenset({B})) is None
+    assert choose_digest({A: X, B: Y, C: Y}, trusted=frozenset({A})) == (Y, [B, C])  # the most vouched-for first
+
+
+def test_a_state_with_nan_or_inf_is_refused_and_changes_nothing():
+    w = trained_worker(3)
+    state = snapshot(w, rounds=[1] * len(w.outer))
+    before = [f.global_flat.clone() for f in w.outer]
+    for bad in (float("nan"), float("inf")):
+        tensors = dict(state.tensors)
+        tensors["global/0"] = tensors["global/0"].clone()
+        tensors["global/0"][3] = bad
+        with pytest.raises(StateSyncError, match="NaN or infinite"):
+            apply(w, dataclasses.replace(state, tensors=tensors))
+    assert all(torch.equal(f.global_flat, x) for f, x in zip(w.outer, before))
+
+
+def test_a_state_near_ours_passes_the_distance_check_and_a_far_one_does_not():
+    w = Worker(CFG)
+    gen = torch.Generator().manual_seed(4)
+    for frag in w.outer:  # outer steps of a size training takes, so the worker knows its step size
+        for _ in range(2):
+            frag.step(torch.randn(frag.numel, generator=gen) * 1e-4)
+    assert all(f.largest_update_norm > 0 for f in w.outer)
+    rounds = [1] * len(w.outer)
+    near = snapshot(w, rounds=[2] * len(w.outer))  # one round ahead, the same values
+    check_distance(w, near, rounds)
+    zeros = dataclasses.replace(near, tensors={k: torch.zeros_like(v) for k, v in near.tensors.items()})
+    with pytest.raises(StateSyncError, match="away from ours"):
+        check_distance(w, zeros, rounds)  # a model of zeros is nowhere near one round of training away
+    far_ahead = dataclasses.replace(zeros, rounds=tuple(r + 50 for r in rounds))
+    check_distance(w, far_ahead, rounds)  # 50 rounds ahead: only two vouching donors can tell
+    fresh = Worker(CFG)  # never stepped: nothing to judge against
+    check_distance(fresh, zeros, rounds)
