@@ -4,9 +4,10 @@ The arithmetic is ``protocol.butterfly``'s and must match ``peer.simulation.allr
 bit: member j reduces slice j. Every member encodes its foreign slices with the group's codec
 and pushes them (``PushSlice``) to their reducers; reducer j accumulates in fp32, in member
 index order, ``weight_i / total * decode(slice_i)`` for every contributor i (its own slice
-unencoded, at its own index), encodes that mean once and pushes it (``SliceAveraged``) to
-every other contributor. Every member, the reducer included, keeps the *decoded* mean, so all
-members that got part j hold the same bytes for it.
+unencoded, at its own index), each first scaled down to at most ``clip`` x the lower median
+of their norms (``protocol.butterfly.clip_scales``: the robust mean), encodes that mean once
+and pushes it (``SliceAveraged``) to every other contributor. Every member, the reducer
+included, keeps the *decoded* mean, so all members that got part j hold the same bytes for it.
 
 Transport. One handler per run (``HANDLER_PREFIX`` + run ID) on hivemind's P2P binary
 streams. Everything is a push: a sender opens a stream to a member, writes its frames and
@@ -273,8 +274,7 @@ class Averager:
         finally:
             writer.close()
 
-    def _on_frame(self, peer_id: str, data: bytes) -> bytes | None:
-        """Take one frame; -> its group ID if it was a slice or mean its signer sent us itself."""
+    def _on_frame(self, peer_id: str, data: bytes) -> None:
         try:
             v = verify(data, expect=(PushSlice, SliceAveraged, PartsHeld), run_id=self.run_id,
                        max_size=self.max_frame_bytes)
@@ -283,19 +283,18 @@ class Averager:
                 verify(data, run_id=self.run_id, sender=peer_id, max_size=self.max_frame_bytes)  # raises
         except RemoteProtocolError as e:
             self._blame(peer_id, _peek_group(data), f"{type(e).__name__}:{e}")
-            return None
+            return
         gid = bytes(v.message.group_id)  # type: ignore[attr-defined]
         nbytes = HEADER_LEN + len(data)
         rnd = self._active.get(gid)
         if forwarded:  # a part we reported lacking; unasked for outside a round, so not buffered
             if rnd is not None:
                 rnd.accept_forwarded(peer_id, v, nbytes, data)
-            return None
+            return
         if rnd is not None:
             rnd.accept(peer_id, v, nbytes, data)
             if isinstance(v.message, PartsHeld) and rnd.agreeing:
                 self._forward(rnd, rnd.tasks)
-            return None if isinstance(v.message, PartsHeld) else gid
         elif gid in self._recent and isinstance(v.message, PartsHeld):
             rnd = self._recent[gid]
             rnd.accept(peer_id, v, nbytes, data)  # a member late to the agreement: it may lack a part
@@ -304,7 +303,6 @@ class Averager:
             log.debug("frame for a finished group dropped peer=%s group=%s", peer_id, gid.hex())
         else:
             self._buffer(gid, peer_id, v, nbytes, data)
-        return None
 
     def _forward(self, rnd: Round, tasks: Any) -> None:
         """Send members that reported lacking a part we hold its signed frames (see

@@ -92,9 +92,7 @@ def apply(worker: Any, state: GlobalState) -> None:
                                  f"torch.float32 ({numel},); is the run's model config the same?")
     if len(state.rounds) != n:
         raise StateSyncError(f"the fetched state has {len(state.rounds)} round counters for {n} fragments")
-    for name, t in state.tensors.items():
-        if not bool(torch.isfinite(t).all()):
-            raise StateSyncError(f"the fetched state's {name} holds NaN or infinite values; not loading it")
+    check_finite(state)
     # everything checked: now change the worker
     with torch.no_grad():
         for p, frag in enumerate(worker.outer):
@@ -206,6 +204,13 @@ def decode_state(index: StateIndex, blob: bytes | bytearray) -> GlobalState:
         pos += 4 * numel
     return GlobalState(tensors=tensors, rounds=tuple(index.rounds), step=int(index.step))
 
+
+
+def check_finite(state: GlobalState) -> None:
+    """Raise StateSyncError if any tensor of ``state`` holds NaN or infinite values."""
+    for name, t in state.tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            raise StateSyncError(f"the fetched state's {name} holds NaN or infinite values; not loading it")
 
 
 PLAUSIBLE_ROUNDS_AHEAD = 2

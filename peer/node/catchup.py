@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
-from peer.globalstate import StateSyncError, apply, check_distance, choose_digest, snapshot
+from peer.globalstate import StateSyncError, apply, check_distance, check_finite, choose_digest, snapshot
 from peer.network import NetworkError
 from peer.node.config import STATE_INDEX_ATTEMPTS
 from peer.statesync import current_indexes, fetch_state
@@ -95,7 +95,7 @@ class CatchUpMixin:
                 raise StateSyncError(f"none of {len(donors)} donors answered with a state index")
             digest, serving = max(by_digest.items(), key=lambda kv: (len(kv[1]), sum(served[kv[1][0]][1].rounds)))
             rounds = tuple(served[serving[0]][1].rounds)
-            agreed = len(serving) >= min_donors or bool(self._trusted_ids.intersection(serving))
+            agreed = len(serving) >= min_donors or any(peer_id_from_public_key(k) in serving for k in self._trusted)
             if agreed and (newer_than is None or sum(rounds) > sum(newer_than)):
                 return digest, serving, rounds
             attempt += 1
@@ -135,12 +135,8 @@ class CatchUpMixin:
             state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, serving, digest,
                                               chunk_timeout_s=swarm.state_chunk_timeout_s, progress=progress),
                                   timeout=swarm.state_chunk_timeout_s * 8 + 60)
-            if tuple(state.rounds) != tuple(rounds):
-                raise StateSyncError(f"the state's rounds {list(state.rounds)} are not the {list(rounds)} its index said")
+            check_finite(state)  # here, before anything changes; apply() checks it again
             check_distance(worker, state, self.stats.rounds)
-            for name, t in state.tensors.items():
-                if not bool(t.isfinite().all()):
-                    raise StateSyncError(f"the state's {name} holds NaN or infinite values")
         except (StateSyncError, NetworkError) as e:
             log.warning("state sync failed reason=%s; training from round %s", e, self.stats.rounds)
             self.state = previous if previous != "joining" else "training"

@@ -55,7 +55,6 @@ from peer.settings_store import load_settings
 from peer.statesync import StateServer
 from peer.sync_pipeline import SyncPipeline
 from peer.worker import Worker
-from protocol.identity import peer_id_from_public_key
 from protocol.manifest import SignedManifest, open_manifest
 from protocol.messages import Message
 from protocol.messages_control import (
@@ -148,8 +147,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             self._publishing = None
             self._alone_this_round = False  # averaged alone since our last full round
             self._repair_due = False  # the last full round had a lone sync: compare with the majority
-            creator = self.signed.manifest.creator  # its word on the state is enough alone (catchup)
-            self._trusted, self._trusted_ids = frozenset({creator}), frozenset({peer_id_from_public_key(creator)})
+            self._trusted = frozenset({self.signed.manifest.creator})  # its word on the state is enough alone
             self._refused_claims: set[bytes] = set()  # state digests claimed ahead by too few peers
             self._caught_up = False  # joined the swarm's state (or found nobody ahead); until then lag 1
             self._sync_started_at: list[int] = []  # step of each fragment's latest contribution
