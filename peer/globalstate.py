@@ -238,6 +238,16 @@ def check_distance(worker: Any, state: GlobalState, rounds: Sequence[int]) -> No
                                  f"{limit:.3g} that {ahead} round(s) ahead can explain; not loading it")
 
 
+def vouchers_needed(others: int) -> int:
+    """How many peers must vouch for one state before a node downloads it to catch up, with
+    ``others`` other live peers in the run: 2, or 1 in a swarm of two, where nothing could tell
+    a liar from an honest peer. Every live peer counts, also one that is joining or has not
+    landed a round yet: otherwise one liar could outrun a young swarm, or a swarm whose peers
+    start at once. The run's creator is believed alone (``choose_digest``'s ``trusted``); a run
+    whose creator left needs two peers with its state before a newcomer can catch up."""
+    return 2 if others >= 2 else 1
+
+
 def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2,
                   trusted: frozenset[bytes] = frozenset()) -> tuple[bytes, list[bytes]] | None:
     """The state digest most peers vouch for, and its vouchers (public keys, sorted).

@@ -7,7 +7,9 @@ from __future__ import annotations
 import logging
 import time
 
-from peer.globalstate import StateSyncError, apply, check_distance, check_finite, choose_digest, snapshot
+from peer.globalstate import (
+    StateSyncError, apply, check_distance, check_finite, choose_digest, snapshot, vouchers_needed,
+)
 from peer.network import NetworkError
 from peer.node.config import STATE_INDEX_ATTEMPTS
 from peer.statesync import current_indexes, fetch_state
@@ -36,10 +38,8 @@ class CatchUpMixin:
         ahead = {k: hb.state_digest for k, hb in peers.items()
                  if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
         # any key can claim to be ahead: believe two peers vouching for one state, or the run's
-        # creator; one peer alone only when it is the only other peer holding a state (a swarm
-        # of two, where nothing could tell a liar from an honest peer)
-        holders = sum(1 for hb in peers.values() if hb.state_digest)
-        need = 2 if holders >= 2 else 1
+        # creator; one peer alone only in a swarm of two (globalstate.vouchers_needed)
+        need = vouchers_needed(len(peers))
         choice = choose_digest(ahead, min_vouchers=need, trusted=self._trusted)
         claims = set(ahead.values()) - self._refused_claims
         if claims and choice is None:

@@ -188,6 +188,11 @@ def test_a_late_joiner_downloads_the_state_and_then_matches_the_others_bit_for_b
     demo = Demo(3, rounds=None, workdir=tmp_path, on_event=events)
     demos.append(demo)
     demo.start()
+    # the liar comes once the three are in the run: a liar that is there before anyone else
+    # is a swarm of two to the first peer (docs/THREAT_MODEL.md), not what this test is about
+    training: set[int] = set()
+    events.wait_for(lambda i, ev: ev.get("event") == "state" and ev["state"] == "training"
+                    and (training.add(i) or len(training) == 3))
     liar = start_process(procs, swarm_peers.lying_donor, str(tmp_path / "liar.key"), demo.bootstrap,
                          str(tmp_path / "demo.swarmrun"))
     assert liar.get(timeout=60)[0] == "ready"

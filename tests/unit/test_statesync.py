@@ -8,7 +8,7 @@ import torch
 from peer.statesync import (
     GlobalState, StateSyncError, apply, choose_digest, decode_state, encode_state, index_digest, snapshot,
 )
-from peer.globalstate import check_distance
+from peer.globalstate import check_distance, vouchers_needed
 from peer.worker import Worker
 from protocol.config import DataConfig, InnerConfig, ModelConfig, SyncConfig, TrainConfig
 
@@ -141,6 +141,10 @@ def test_the_run_creator_alone_is_enough_and_nobody_else_alone_is():
     assert choose_digest({A: X}, trusted=frozenset({A})) == (X, [A])
     assert choose_digest({A: X}, trusted=frozenset({B})) is None
     assert choose_digest({A: X, B: Y, C: Y}, trusted=frozenset({A})) == (Y, [B, C])  # the most vouched-for first
+
+
+def test_one_voucher_is_enough_only_in_a_swarm_of_two():
+    assert [vouchers_needed(n) for n in range(5)] == [1, 1, 2, 2, 2]
 
 
 def test_a_state_with_nan_or_inf_is_refused_and_changes_nothing():
