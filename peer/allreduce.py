@@ -50,13 +50,22 @@ member) holds *this member's own value* in the returned average, and is listed i
 replaces those parts with zeros (that slice of the global copy stays where it was), which is
 the same on every surviving member.
 
-Memory bounds. Frames may arrive before the local member has called ``allreduce`` for their
-group (it learned of the group a little later than the sender). They are verified (signature,
-run, sender) and buffered per group ID, at most ``max_pending_groups`` groups (the oldest is
-evicted) and ``max_pending_bytes`` in all (frames beyond are dropped), each group for at most
-``pending_ttl_s``. Frames for a group this member already finished are dropped (a bounded
-memory of recent group IDs). So failed or foreign rounds cannot grow memory. Raise
-``max_pending_bytes`` if you see ``reason=pending_full`` with large fragments.
+Memory bounds (``peer.inbox``). Frames may arrive before the local member has called
+``allreduce`` for their group (it learned of the group a little later than the sender). They
+are verified (signature, run, sender) and buffered per group ID, at most ``max_pending_groups``
+groups (the oldest is evicted) and ``max_pending_bytes`` in all, and one peer's frames in at
+most ``max_pending_groups_per_peer`` groups and ``max_pending_bytes_per_peer`` bytes (frames
+beyond are dropped), each group for at most ``pending_ttl_s``. Frames for a group this member
+already finished are dropped (a bounded memory of recent group IDs). A peer may hold at most
+``max_streams_per_peer`` averaging streams open to us and have two frame bodies in memory at
+once. So failed or foreign rounds, or one flooding identity, cannot grow memory or crowd out
+honest peers' early frames. Raise ``max_pending_bytes`` if you see ``reason=pending_full`` with
+large fragments.
+
+Short slices. A sender writes all of its slice (or part) on one stream and then closes it. A
+stream that ends with the slice it carried short (signed, well-formed frames that do not
+cover it) will not be completed: the sender is dropped at once (``reason=short:...``), not at
+the deadline, and then counts as late (``allreduce_round.LATE``).
 
 Only asyncio: no threads or processes. Encoding and decoding run on the event loop (they are
 vectorized torch ops; a 64 MB slice takes tens of milliseconds).
@@ -68,7 +77,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -76,12 +85,14 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from peer.allreduce_round import Round
+from peer.inbox import HEADER_LEN, FrameTooLarge, PendingFrames, StreamEnded, StreamGate, TooManyStreams, \
+    peek_group, read_header
 from peer.ratelimit import CHUNK_BYTES, RateLimiter
 from protocol.codecs import get_codec
-from protocol.envelope import Envelope, Verified, seal_parts, verify
+from protocol.envelope import seal_parts, verify
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.identity import Identity
-from protocol.messages import MAX_FRAME_BYTES, decode
+from protocol.messages import MAX_FRAME_BYTES
 from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
 __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_elements"]
@@ -89,7 +100,6 @@ __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_ele
 log = logging.getLogger(__name__)
 
 HANDLER_PREFIX = "swarmstream-avg-v1-"
-HEADER_LEN = 8  # bytes of the big-endian frame length, as hivemind's P2P.send_raw_data
 CHUNK_ALIGN = 256  # elements: a multiple of every codec's block (int8: 256, fp4: 32)
 _HEAD_ROOM = 4096  # bytes of a frame that are not payload: envelope and message heads
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
@@ -150,45 +160,6 @@ def _chunks(start: int, end: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, end)) for a in range(start, end, step)]
 
 
-class _FrameTooLarge(RemoteProtocolError):
-    pass
-
-
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int, timeout: float) -> bytes | None:
-    """One length-prefixed frame, or None at a clean end of stream. The announced length is
-    checked before the body is read; each read waits at most ``timeout`` seconds."""
-    try:
-        header = await asyncio.wait_for(reader.readexactly(HEADER_LEN), timeout)
-    except asyncio.IncompleteReadError as e:
-        if not e.partial:
-            return None
-        raise
-    size = int.from_bytes(header, "big")
-    if size > max_bytes:
-        raise _FrameTooLarge(f"frame of {size} bytes is over the {max_bytes}-byte limit")
-    return await asyncio.wait_for(reader.readexactly(size), timeout)
-
-
-def _peek_group(data: bytes) -> bytes | None:
-    """The group ID a frame *claims*, without trusting it: only to know which round to blame
-    the stream's (authenticated) remote peer in when the frame fails verification."""
-    try:
-        env = decode(data, expect=Envelope)
-        gid = decode(env.body).context()[3]  # type: ignore[attr-defined]
-        return bytes(gid) if gid is not None else None
-    except RemoteProtocolError:
-        return None
-
-
-@dataclass(slots=True)
-class _Pending:
-    """Verified frames (or blames) for a group this member has not started yet."""
-
-    created: float
-    items: list[tuple[str, Verified | str, int, bytes]] = field(default_factory=list)
-    nbytes: int = 0
-
-
 class Averager:
     """Runs the all-reduces of one run's groups on one P2P instance (see the module docstring).
 
@@ -199,7 +170,8 @@ class Averager:
 
     def __init__(self, p2p: P2P, identity: Identity, run_id: bytes, *, max_pending_groups: int = 8,
                  max_frame_bytes: int = 64 << 20, max_pending_bytes: int | None = None,
-                 pending_ttl_s: float = 120.0, read_timeout_s: float = 30.0,
+                 max_pending_groups_per_peer: int | None = None, max_pending_bytes_per_peer: int | None = None,
+                 max_streams_per_peer: int = 8, pending_ttl_s: float = 120.0, read_timeout_s: float = 30.0,
                  upload: RateLimiter | None = None, download: RateLimiter | None = None,
                  clip: float = 2.0, max_weight: float = 1e18):
         if not 2 * _HEAD_ROOM <= max_frame_bytes <= MAX_FRAME_BYTES:
@@ -210,10 +182,15 @@ class Averager:
         self.p2p = p2p
         self.identity = identity
         self.run_id = bytes(run_id)
-        self.max_pending_groups = max_pending_groups
         self.max_frame_bytes = max_frame_bytes
-        self.max_pending_bytes = 4 * max_frame_bytes if max_pending_bytes is None else max_pending_bytes
-        self.pending_ttl_s = pending_ttl_s
+        total = 4 * max_frame_bytes if max_pending_bytes is None else max_pending_bytes
+        self._pending = PendingFrames(
+            max_groups=max_pending_groups, max_bytes=total, ttl_s=pending_ttl_s,
+            max_groups_per_peer=(max(1, max_pending_groups // 4) if max_pending_groups_per_peer is None
+                                 else max_pending_groups_per_peer),
+            max_bytes_per_peer=(min(total, max(total // 4, max_frame_bytes)) if max_pending_bytes_per_peer is None
+                                else max_pending_bytes_per_peer))
+        self._gate = StreamGate(max_streams_per_peer)
         self.read_timeout_s = read_timeout_s
         self.clip = clip  # the run's sync.clip: robust mean (protocol.butterfly)
         self.max_weight = max_weight  # the run's most tokens one sync may cover
@@ -225,8 +202,6 @@ class Averager:
         self.download = download or RateLimiter()
         self.handler_name = HANDLER_PREFIX + self.run_id.hex()
         self._active: dict[bytes, Round] = {}
-        self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
-        self._pending_bytes = 0
         self._finished: deque[bytes] = deque(maxlen=_FINISHED_MEMORY)
         self._recent: OrderedDict[bytes, Round] = OrderedDict()  # finished rounds whose parts we forward
         self._side_tasks: set[asyncio.Task[None]] = set()  # forwards for finished rounds
@@ -246,35 +221,45 @@ class Averager:
             except Exception as e:  # noqa: BLE001  (the daemon may be gone already; nothing else to undo)
                 log.info("could not remove the averaging handler reason=%r", e)
         self._pending.clear()
-        self._pending_bytes = 0
         self._recent.clear()
         for t in list(self._side_tasks):
             t.cancel()
 
     @property
-    def pending_bytes(self) -> int:
-        """Bytes of buffered frames for groups not started yet (bounded by max_pending_bytes)."""
-        return self._pending_bytes
+    def pending(self) -> PendingFrames:
+        """Frames buffered for groups not started yet (bounded; see ``peer.inbox``)."""
+        return self._pending
 
     # --- inbound ------------------------------------------------------------------------
 
     async def _handle_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer_id = info.peer_id.to_base58()
+        carried: set[tuple[bytes, type]] = set()  # (group, PushSlice or SliceAveraged) this stream carried
         try:
-            while True:
-                data = await read_frame(reader, self.max_frame_bytes, self.read_timeout_s)
-                if data is None:
-                    break
-                await self.download.take(HEADER_LEN + len(data))  # holds back the sender under a cap
-                self._on_frame(peer_id, data)
-        except _FrameTooLarge as e:
+            async with self._gate.stream(peer_id):
+                while True:
+                    size = await read_header(reader, self.max_frame_bytes, self.read_timeout_s)
+                    if size is None:
+                        self._stream_ended(peer_id, carried)
+                        break
+                    async with self._gate.body(peer_id):  # a peer's frames in memory: a few at a time
+                        data = await asyncio.wait_for(reader.readexactly(size), self.read_timeout_s)
+                        await self.download.take(HEADER_LEN + size)  # holds back the sender under a cap
+                        key = self._on_frame(peer_id, data)
+                    if key is not None:
+                        carried.add(key)
+        except TooManyStreams as e:
+            log.warning("averaging stream refused reason=too_many_streams peer=%s detail=%s", peer_id, e)
+        except FrameTooLarge as e:
             self._blame(peer_id, None, f"frame_too_large:{e}")
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             log.info("averaging stream ended early reason=%s peer=%s", type(e).__name__, peer_id)
         finally:
             writer.close()
 
-    def _on_frame(self, peer_id: str, data: bytes) -> None:
+    def _on_frame(self, peer_id: str, data: bytes) -> tuple[bytes, type] | None:
+        """Handle one frame; -> (group ID, message type) of a slice or part the stream's peer
+        sent for itself (what its stream's end says something about), else None."""
         try:
             v = verify(data, expect=(PushSlice, SliceAveraged, PartsHeld), run_id=self.run_id,
                        max_size=self.max_frame_bytes)
@@ -282,15 +267,15 @@ class Averager:
             if forwarded and not isinstance(v.message, SliceAveraged):  # only reduced parts are forwarded
                 verify(data, run_id=self.run_id, sender=peer_id, max_size=self.max_frame_bytes)  # raises
         except RemoteProtocolError as e:
-            self._blame(peer_id, _peek_group(data), f"{type(e).__name__}:{e}")
-            return
+            self._blame(peer_id, peek_group(data), f"{type(e).__name__}:{e}")
+            return None
         gid = bytes(v.message.group_id)  # type: ignore[attr-defined]
         nbytes = HEADER_LEN + len(data)
         rnd = self._active.get(gid)
         if forwarded:  # a part we reported lacking; unasked for outside a round, so not buffered
             if rnd is not None:
                 rnd.accept_forwarded(peer_id, v, nbytes, data)
-            return
+            return None
         if rnd is not None:
             rnd.accept(peer_id, v, nbytes, data)
             if isinstance(v.message, PartsHeld) and rnd.agreeing:
@@ -301,8 +286,19 @@ class Averager:
             self._forward(rnd, self._side_tasks)
         elif gid in self._finished:
             log.debug("frame for a finished group dropped peer=%s group=%s", peer_id, gid.hex())
+            return None
         else:
-            self._buffer(gid, peer_id, v, nbytes, data)
+            self._pending.add(gid, peer_id, v, nbytes, data)
+        return None if isinstance(v.message, PartsHeld) else (gid, type(v.message))
+
+    def _stream_ended(self, peer_id: str, carried: set[tuple[bytes, type]]) -> None:
+        """The peer closed a stream that carried its slices or parts: any it left short stay so."""
+        for gid, kind in carried:
+            rnd = self._active.get(gid)
+            if rnd is not None:
+                rnd.stream_ended(peer_id, kind)
+            else:
+                self._pending.note(gid, peer_id, StreamEnded(kind))
 
     def _forward(self, rnd: Round, tasks: Any) -> None:
         """Send members that reported lacking a part we hold its signed frames (see
@@ -326,44 +322,13 @@ class Averager:
         if gid is not None and gid in self._active:
             rounds = [self._active[gid]]
         elif gid is not None and gid not in self._finished:
-            self._buffer(gid, peer_id, reason, 0, b"")
+            self._pending.add(gid, peer_id, reason)
             return
         else:
             rounds = [r for r in self._active.values() if peer_id in r.index]
         for r in rounds:
             if peer_id in r.index:
                 r.drop(r.index[peer_id], reason)
-
-    def _expire_pending(self) -> None:
-        now = time.monotonic()
-        while self._pending:
-            gid, p = next(iter(self._pending.items()))
-            if now - p.created <= self.pending_ttl_s:
-                break
-            self._evict(gid, "expired")
-
-    def _evict(self, gid: bytes, why: str) -> None:
-        p = self._pending.pop(gid)
-        self._pending_bytes -= p.nbytes
-        log.info("dropped buffered frames reason=%s group=%s frames=%d bytes=%d", why, gid.hex(), len(p.items),
-                 p.nbytes)
-
-    def _buffer(self, gid: bytes, peer_id: str, item: Verified | str, nbytes: int, data: bytes) -> None:
-        self._expire_pending()
-        p = self._pending.get(gid)
-        if p is None:
-            if self.max_pending_groups == 0:
-                log.info("frame for an unknown group dropped reason=no_buffer peer=%s", peer_id)
-                return
-            while len(self._pending) >= self.max_pending_groups:
-                self._evict(next(iter(self._pending)), "too_many_groups")
-            p = self._pending[gid] = _Pending(created=time.monotonic())
-        if self._pending_bytes + nbytes > self.max_pending_bytes:
-            log.warning("frame for an unknown group dropped reason=pending_full peer=%s bytes=%d", peer_id, nbytes)
-            return
-        p.items.append((peer_id, item, nbytes, data))
-        p.nbytes += nbytes
-        self._pending_bytes += nbytes
 
     # --- outbound -----------------------------------------------------------------------
 
@@ -437,15 +402,14 @@ class Averager:
             raise LocalProtocolError(f"group {gid.hex()} is already averaging")
         rnd = Round(group, me, vec, get_codec(group.codec), self.clip)
         self._active[gid] = rnd
-        pending = self._pending.pop(gid, None)
-        if pending is not None:
-            self._pending_bytes -= pending.nbytes
-            for peer_id, item, nbytes, data in pending.items:
-                if isinstance(item, str):
-                    if peer_id in rnd.index:
-                        rnd.drop(rnd.index[peer_id], item)
-                else:
-                    rnd.accept(peer_id, item, nbytes, data)
+        for peer_id, item, nbytes, data in self._pending.pop(gid):  # in arrival order
+            if isinstance(item, StreamEnded):
+                rnd.stream_ended(peer_id, item.kind)
+            elif isinstance(item, str):
+                if peer_id in rnd.index:
+                    rnd.drop(rnd.index[peer_id], item)
+            else:
+                rnd.accept(peer_id, item, nbytes, data)
         tasks, sent = rnd.tasks, rnd.sent
         try:
             push_deadline = t0 + group.deadline_s

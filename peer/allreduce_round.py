@@ -33,6 +33,11 @@ from protocol.identity import peer_id_from_public_key
 from protocol.messages import digest
 from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
+LATE = ("timeout", "short")
+"""Reasons for which a member was dropped as late, not as a liar: its stream timed out, or
+ended with its slice or part short. A late member may still send its part, and it may have
+landed parts nobody else holds, so the agreement waits for its report."""
+
 log = logging.getLogger("peer.allreduce")
 
 Frame = list[Any]
@@ -132,7 +137,7 @@ class Round:
         """What ``AllReduceOutcome.agreed`` says: the agreement completed, and every member we
         dropped as late reported too (one whose slices all came late took part in no one's
         round, but it may still have landed parts: without its report we cannot tell)."""
-        late = [i for i, why in self.dropped.items() if why.startswith("timeout")]
+        late = [i for i, why in self.dropped.items() if why.startswith(LATE)]
         return self.agreed() and all(i in self.reports for i in late)
 
     def wanted(self) -> list[int]:
@@ -171,7 +176,7 @@ class Round:
         if isinstance(msg, PartsHeld):  # also from a member we dropped: it may need our parts
             self._accept_report(i, msg)
             return
-        late = self.dropped.get(i, "").startswith("timeout")
+        late = self.dropped.get(i, "").startswith(LATE)
         if i in self.dropped and not (late and isinstance(msg, SliceAveraged)):
             return  # a member dropped for lateness may still send its part; not one that lied
         self.bytes_received += nbytes
@@ -184,6 +189,18 @@ class Round:
             self.drop(i, f"{type(msg).__name__}:{e}")
             return
         self.changed.set()
+
+    def stream_ended(self, peer_id: str, kind: type) -> None:
+        """A stream on which member ``peer_id`` sent its slice of ours (``PushSlice``) or its
+        reduced part (``SliceAveraged``) ended. A sender writes all of it on one stream, so one
+        still short now never completes: drop the sender at once rather than at the deadline."""
+        i = self.index.get(peer_id)
+        if i is None or i == self.me or i in self.dropped:
+            return
+        if kind is PushSlice and self.collecting_pushes and self.pushed[i] != self.size(self.me):
+            self.drop(i, f"short:its stream ended after {self.pushed[i]} of the slice's {self.size(self.me)} elements")
+        elif kind is SliceAveraged and self.collecting_means and not self.holds(i) and self.size(i):
+            self.drop(i, f"short:its stream ended after {self.got[i]} of its part's {self.size(i)} elements")
 
     def accept_forwarded(self, forwarder: str, v: Verified, nbytes: int, data: bytes) -> None:
         """A ``SliceAveraged`` signed by its reducer, forwarded by another member because we

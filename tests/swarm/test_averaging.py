@@ -135,14 +135,17 @@ def fault(av, behaviour: str) -> None:
 
 async def send_bad_slices(av, group, vec: torch.Tensor, me: int) -> None:
     """To member 0 a slice with a broken signature, to member 1 one of the wrong shape, to
-    member 2 one holding a NaN: each is signed (or nearly) by us and otherwise well-formed."""
+    member 2 one holding a NaN, to member 3 one 256 elements short (then the stream ends):
+    each is signed (or nearly) by us and otherwise well-formed."""
     from protocol.envelope import seal
     from protocol.identity import peer_id_from_public_key
     from protocol.messages_swarm import PushSlice
 
     bounds = slice_bounds(group.numel, len(group.members))
-    for j, kind in enumerate(("forged", "shape", "nan")):
+    for j, kind in enumerate(("forged", "shape", "nan", "short")):
         s, e = bounds[j]
+        if kind == "short":
+            e -= 256
         values = vec[s:e].clone()
         shape = (e - s,)
         if kind == "shape":
@@ -310,21 +313,22 @@ def test_a_killed_member_and_a_stalled_one_are_dropped_and_the_others_finish(swa
             assert torch.equal(got[s:e], vectors[i][s:e])  # a dropped reducer's part: our own values
 
 
-def test_forged_misshapen_and_nan_slices_drop_their_sender(swarm):
-    peers = swarm(4)
-    weights = [1.0, 2.0, 3.0, 4.0]
-    bad = 3
+def test_forged_misshapen_nan_and_short_slices_drop_their_sender(swarm):
+    peers = swarm(5)
+    weights = [1.0, 2.0, 3.0, 4.0, 5.0]
+    bad = 4
     fields = group_fields(peers, weights, "fp32", group_id=b"bad".ljust(16, b"\0"), deadline_s=6.0)
-    honest = [0, 1, 2]
+    honest = [0, 1, 2, 3]
     peers[bad].cmd.put(("allreduce", fields, 303, "bad"))
     assert peers[bad].reply()[0] == "sent"  # usually buffered by the others, who have not started yet
     for i in honest:
         peers[i].cmd.put(("allreduce", fields, 300 + i, "honest"))
-    vectors = [make_vector(300 + i) for i in range(4)]
+    vectors = [make_vector(300 + i) for i in range(5)]
     ref = partial_reference(vectors, weights, honest, "fp32")
-    bounds = slice_bounds(NUMEL, 4)
+    bounds = slice_bounds(NUMEL, 5)
     bad_id = _peer_id(peers[bad].public_key)
-    reasons = {0: "VerificationError", 1: "shape", 2: "NaN"}
+    # the short slice is recognised when its stream ends, not at the deadline (reason=timeout)
+    reasons = {0: "VerificationError", 1: "shape", 2: "NaN", 3: "reason=short:"}
     results = []
     for i in honest:
         kind, avg, dropped, fallback, _, _, lines, _ = peers[i].reply()

@@ -1,11 +1,12 @@
-"""The averager's inbound side without a network: framing limits and the bounded buffer of
-frames for groups this member has not started yet."""
+"""The averager's inbound side without a network: framing limits, streams per peer, and the
+bounded buffer of frames for groups this member has not started yet (peer.inbox)."""
 
 import asyncio
 
 import pytest
 
-from peer.allreduce import Averager, _FrameTooLarge, chunk_elements, read_frame
+from peer.allreduce import Averager, chunk_elements
+from peer.inbox import FrameTooLarge, read_frame
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages_swarm import PushSlice
@@ -38,7 +39,7 @@ def test_frames_are_length_checked_before_the_body_is_read():
     async def main():
         r = asyncio.StreamReader()
         r.feed_data((1 << 40).to_bytes(8, "big"))  # announces a terabyte, sends nothing more
-        with pytest.raises(_FrameTooLarge):
+        with pytest.raises(FrameTooLarge):
             await read_frame(r, 8192, timeout=1)
         r = asyncio.StreamReader()
         r.feed_data((3).to_bytes(8, "big") + b"abc")
@@ -59,15 +60,75 @@ def test_chunks_fit_a_frame_and_keep_codec_blocks_whole():
 
 
 def test_early_frames_are_bounded_by_groups_and_bytes():
-    av = averager(max_pending_groups=2, max_pending_bytes=3 * (8 + len(frame(b"x" * 16))))  # 8: length prefix
+    size = 8 + len(frame(b"x" * 16))  # 8: the length prefix
+    av = averager(max_pending_groups=2, max_pending_bytes=3 * size, max_pending_groups_per_peer=3,
+                  max_pending_bytes_per_peer=3 * size)
     peer = SENDER.peer_id
     for g in (b"a", b"b", b"c"):  # three groups: the oldest is evicted
         av._on_frame(peer, frame(g * 16))
-    assert list(av._pending) == [b"b" * 16, b"c" * 16]
+    assert av.pending.groups() == [b"b" * 16, b"c" * 16]
     for _ in range(3):  # the byte budget allows one more frame, not three
         av._on_frame(peer, frame(b"c" * 16))
-    assert av.pending_bytes <= av.max_pending_bytes
-    assert len(av._pending[b"c" * 16].items) == 2
+    assert av.pending.nbytes <= 3 * size
+    assert len(av.pending.items(b"c" * 16)) == 2
+
+
+def test_one_flooding_peer_cannot_crowd_out_an_honest_peers_early_frames():
+    """A validly signed peer sends frames for many groups that do not exist: it gets its share
+    of the buffer (2 of 8 groups, a quarter of the bytes: the defaults) and the honest peer's
+    early frames stay."""
+    size = 8 + len(frame(b"x" * 16))
+    av = averager()
+    honest, liar = SENDER, Identity.from_seed(b"\x09" * 32)
+    av._on_frame(honest.peer_id, frame(b"h" * 16))
+    for k in range(50):
+        av._on_frame(liar.peer_id, frame(bytes([k]) * 16, signer=liar))
+        av._on_frame(liar.peer_id, frame(b"h" * 16, signer=liar))  # also into the honest peer's group
+    assert b"h" * 16 in av.pending.groups() and av.pending.peer_bytes(honest.peer_id) == size
+    assert len(av.pending.groups()) <= 2  # the honest peer's group, and one of the liar's
+    assert 0 < av.pending.peer_bytes(liar.peer_id) <= av.pending.max_bytes // 4
+    av._on_frame(honest.peer_id, frame(b"i" * 16))  # honest frames still find room
+    assert av.pending.peer_bytes(honest.peer_id) == 2 * size
+
+
+class Info:
+    def __init__(self, ident: Identity):
+        from hivemind.p2p import PeerID
+
+        self.peer_id = PeerID.from_base58(ident.peer_id)
+
+
+class Writer:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_peer_gets_a_bounded_number_of_streams_and_a_stream_that_ends_releases_its_slot():
+    av = averager(max_streams_per_peer=2)
+    liar, other = Identity.from_seed(b"\x09" * 32), Identity.from_seed(b"\x0a" * 32)
+
+    async def main():
+        readers = [asyncio.StreamReader() for _ in range(3)]  # held open: nothing arrives
+        writers = [Writer() for _ in readers]
+        tasks = [asyncio.create_task(av._handle_stream(Info(liar), r, w)) for r, w in zip(readers, writers)]
+        await asyncio.wait_for(tasks[2], 1)  # the first two hold their slots; the third is refused at once...
+        assert writers[2].closed and not writers[0].closed and av._gate.streams(liar.peer_id) == 2
+        r = asyncio.StreamReader()  # ...while another peer's stream is served
+        data = frame(b"o" * 16, signer=other)
+        r.feed_data(len(data).to_bytes(8, "big") + data)
+        r.feed_eof()
+        await asyncio.wait_for(av._handle_stream(Info(other), r, Writer()), 1)
+        assert av.pending.peer_bytes(other.peer_id) == 8 + len(data)
+        readers[0].feed_eof()  # a stream that ends frees its slot
+        await asyncio.wait_for(tasks[0], 1)
+        assert av._gate.streams(liar.peer_id) == 1
+        readers[1].feed_eof()
+        await asyncio.wait_for(tasks[1], 1)
+        assert av._gate.streams(liar.peer_id) == 0
+
+    asyncio.run(main())
 
 
 def test_early_frames_expire_and_unverifiable_ones_are_never_buffered():
@@ -75,8 +136,8 @@ def test_early_frames_expire_and_unverifiable_ones_are_never_buffered():
     peer = SENDER.peer_id
     av._on_frame(peer, frame(b"a" * 16))
     av._on_frame(peer, frame(b"b" * 16))  # by now the first one has expired
-    assert list(av._pending) == [b"b" * 16]
+    assert av.pending.groups() == [b"b" * 16]
     av = averager()
     av._on_frame(peer, frame(b"a" * 16, run_id=b"\x08" * 20))  # another run
     av._on_frame(Identity.from_seed(b"\x03" * 32).peer_id, frame(b"b" * 16))  # not the stream's peer
-    assert av.pending_bytes == 0  # (a blame is remembered, but it holds no bytes)
+    assert av.pending.nbytes == 0  # (a blame is remembered, but it holds no bytes)

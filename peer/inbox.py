@@ -1,0 +1,229 @@
+"""What another peer can make an averager read and hold: length-prefixed frames, and the
+bounded buffer of frames for groups this member has not started yet.
+
+Any key can open averaging streams to us and sign frames, so everything here is bounded per
+peer as well as in total (issue 12, *resource limits*):
+
+- a frame's announced length is checked before its body is read (``read_frame``);
+- ``StreamGate``: at most ``max_streams`` concurrent streams per peer (more are closed at
+  once), and at most ``bodies`` frame bodies of one peer in memory at a time (a peer's other
+  streams wait, which backs up its sender through libp2p's flow control);
+- ``PendingFrames``: frames for groups we have not started are buffered for at most
+  ``ttl_s``, in at most ``max_groups`` groups and ``max_bytes`` bytes in all, and one peer's
+  frames in at most ``max_groups_per_peer`` of those groups and ``max_bytes_per_peer``
+  bytes. So a flood from one identity cannot evict the early frames of honest peers.
+
+Only asyncio, no I/O of its own besides reading the streams it is handed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from typing import Any
+
+from protocol.envelope import Envelope
+from protocol.errors import RemoteProtocolError
+from protocol.messages import decode
+
+log = logging.getLogger("peer.allreduce")  # the averager's log: one place to read a round's story
+
+HEADER_LEN = 8  # bytes of the big-endian frame length, as hivemind's P2P.send_raw_data
+
+
+class FrameTooLarge(RemoteProtocolError):
+    pass
+
+
+async def read_header(reader: asyncio.StreamReader, max_bytes: int, timeout: float) -> int | None:
+    """The length of the next frame, or None at a clean end of stream; over ``max_bytes`` raises
+    before a byte of the body is read."""
+    try:
+        header = await asyncio.wait_for(reader.readexactly(HEADER_LEN), timeout)
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            return None
+        raise
+    size = int.from_bytes(header, "big")
+    if size > max_bytes:
+        raise FrameTooLarge(f"frame of {size} bytes is over the {max_bytes}-byte limit")
+    return size
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int, timeout: float) -> bytes | None:
+    """One length-prefixed frame, or None at a clean end of stream. The announced length is
+    checked before the body is read; each read waits at most ``timeout`` seconds."""
+    size = await read_header(reader, max_bytes, timeout)
+    if size is None:
+        return None
+    return await asyncio.wait_for(reader.readexactly(size), timeout)
+
+
+def peek_group(data: bytes) -> bytes | None:
+    """The group ID a frame *claims*, without trusting it: only to know which round to blame
+    the stream's (authenticated) remote peer in when the frame fails verification."""
+    try:
+        env = decode(data, expect=Envelope)
+        gid = decode(env.body).context()[3]  # type: ignore[attr-defined]
+        return bytes(gid) if gid is not None else None
+    except RemoteProtocolError:
+        return None
+
+
+class TooManyStreams(Exception):
+    """The peer already has ``max_streams`` averaging streams open to us."""
+
+
+class StreamGate:
+    """Concurrent streams per peer, and frame bodies of one peer in memory at once."""
+
+    def __init__(self, max_streams: int = 8, bodies: int = 2):
+        if max_streams < 1 or bodies < 1:
+            raise ValueError("max_streams and bodies must be >= 1")
+        self.max_streams, self.bodies = max_streams, bodies
+        self._open: dict[str, int] = {}
+        self._body: dict[str, asyncio.Semaphore] = {}
+
+    def streams(self, peer_id: str) -> int:
+        return self._open.get(peer_id, 0)
+
+    @asynccontextmanager
+    async def stream(self, peer_id: str) -> AsyncIterator[None]:
+        """Hold one of the peer's stream slots; raises ``TooManyStreams`` when none is free."""
+        if self._open.get(peer_id, 0) >= self.max_streams:
+            raise TooManyStreams(f"{self.max_streams} streams open already")
+        self._open[peer_id] = self._open.get(peer_id, 0) + 1
+        self._body.setdefault(peer_id, asyncio.Semaphore(self.bodies))
+        try:
+            yield
+        finally:
+            self._open[peer_id] -= 1
+            if not self._open[peer_id]:
+                del self._open[peer_id], self._body[peer_id]
+
+    def body(self, peer_id: str) -> asyncio.Semaphore:
+        """Held while one of the peer's frame bodies is read and handled (inside ``stream``)."""
+        return self._body[peer_id]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnded:
+    """A marker in a group's buffer: the sender's stream that carried its ``kind`` of frames
+    (``PushSlice`` or ``SliceAveraged``) for the group ended here. A slice or part it left
+    short will not be completed by that stream: the round drops the sender at once."""
+
+    kind: type
+
+
+@dataclass(slots=True)
+class _Group:
+    created: float
+    items: list[tuple[str, Any, int, bytes]] = field(default_factory=list)
+    nbytes: int = 0
+    by_peer: dict[str, int] = field(default_factory=dict)  # bytes per peer (0: a blame or marker)
+
+
+class PendingFrames:
+    """Frames (verified, or a blame string, or ``StreamEnded``) for groups not started yet."""
+
+    def __init__(self, *, max_groups: int, max_bytes: int, max_groups_per_peer: int, max_bytes_per_peer: int,
+                 ttl_s: float):
+        if min(max_groups, max_bytes, max_groups_per_peer, max_bytes_per_peer) < 0:
+            raise ValueError("the pending limits must be >= 0")
+        self.max_groups, self.max_bytes, self.ttl_s = max_groups, max_bytes, ttl_s
+        self.max_groups_per_peer, self.max_bytes_per_peer = max_groups_per_peer, max_bytes_per_peer
+        self._groups: OrderedDict[bytes, _Group] = OrderedDict()
+        self._bytes = 0
+        self._peer_bytes: dict[str, int] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def peer_bytes(self, peer_id: str) -> int:
+        return self._peer_bytes.get(peer_id, 0)
+
+    def groups(self) -> list[bytes]:
+        """Buffered group IDs, oldest first."""
+        return list(self._groups)
+
+    def items(self, gid: bytes) -> list[tuple[str, Any, int, bytes]]:
+        g = self._groups.get(gid)
+        return list(g.items) if g is not None else []
+
+    def __contains__(self, gid: bytes) -> bool:
+        return gid in self._groups
+
+    def add(self, gid: bytes, peer_id: str, item: Any, nbytes: int = 0, data: bytes = b"") -> None:
+        """Buffer ``item`` from ``peer_id`` for group ``gid``, or drop it (logged) over a limit."""
+        self._expire()
+        g = self._groups.get(gid)
+        if g is None or peer_id not in g.by_peer:
+            held = sum(1 for other in self._groups.values() if peer_id in other.by_peer)
+            if held >= self.max_groups_per_peer:
+                log.warning("frame for an unknown group dropped reason=peer_groups_full peer=%s groups=%d",
+                            peer_id, held)
+                return
+        if self._bytes + nbytes > self.max_bytes or self.peer_bytes(peer_id) + nbytes > self.max_bytes_per_peer:
+            why = "pending_full" if self._bytes + nbytes > self.max_bytes else "peer_pending_full"
+            log.warning("frame for an unknown group dropped reason=%s peer=%s bytes=%d", why, peer_id, nbytes)
+            return
+        if g is None:
+            if self.max_groups == 0:
+                log.info("frame for an unknown group dropped reason=no_buffer peer=%s", peer_id)
+                return
+            while len(self._groups) >= self.max_groups:
+                self._evict(next(iter(self._groups)), "too_many_groups")
+            g = self._groups[gid] = _Group(created=time.monotonic())
+        g.items.append((peer_id, item, nbytes, data))
+        g.nbytes += nbytes
+        g.by_peer[peer_id] = g.by_peer.get(peer_id, 0) + nbytes
+        self._bytes += nbytes
+        self._peer_bytes[peer_id] = self.peer_bytes(peer_id) + nbytes
+
+    def note(self, gid: bytes, peer_id: str, item: Any) -> None:
+        """Add a zero-byte ``item`` to a group already buffered with frames of ``peer_id``."""
+        g = self._groups.get(gid)
+        if g is not None and peer_id in g.by_peer:
+            g.items.append((peer_id, item, 0, b""))
+
+    def pop(self, gid: bytes) -> list[tuple[str, Any, int, bytes]]:
+        """The group's items in arrival order (none if nothing was buffered); forgets them."""
+        g = self._groups.pop(gid, None)
+        if g is None:
+            return []
+        self._release(g)
+        return g.items
+
+    def clear(self) -> None:
+        self._groups.clear()
+        self._bytes = 0
+        self._peer_bytes.clear()
+
+    def _release(self, g: _Group) -> None:
+        self._bytes -= g.nbytes
+        for peer_id, n in g.by_peer.items():
+            left = self._peer_bytes.get(peer_id, 0) - n
+            if left > 0:
+                self._peer_bytes[peer_id] = left
+            else:
+                self._peer_bytes.pop(peer_id, None)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._groups:
+            gid, g = next(iter(self._groups.items()))
+            if now - g.created <= self.ttl_s:
+                break
+            self._evict(gid, "expired")
+
+    def _evict(self, gid: bytes, why: str) -> None:
+        g = self._groups.pop(gid)
+        self._release(g)
+        log.info("dropped buffered frames reason=%s group=%s frames=%d bytes=%d", why, gid.hex(), len(g.items),
+                 g.nbytes)
