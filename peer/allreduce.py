@@ -57,8 +57,8 @@ groups (the oldest is evicted) and ``max_pending_bytes`` in all, and one peer's 
 most ``max_pending_groups_per_peer`` groups and ``max_pending_bytes_per_peer`` bytes (frames
 beyond are dropped), each group for at most ``pending_ttl_s``. Frames for a group this member
 already finished are dropped (a bounded memory of recent group IDs). A peer may hold at most
-``max_streams_per_peer`` averaging streams open to us and have two frame bodies in memory at
-once. So failed or foreign rounds, or one flooding identity, cannot grow memory or crowd out
+``max_streams_per_peer`` averaging streams open to us and have one frame body in memory at
+a time. So failed or foreign rounds, or one flooding identity, cannot grow memory or crowd out
 honest peers' early frames. Raise ``max_pending_bytes`` if you see ``reason=pending_full`` with
 large fragments.
 

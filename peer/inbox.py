@@ -82,7 +82,7 @@ class TooManyStreams(Exception):
 class StreamGate:
     """Concurrent streams per peer, and frame bodies of one peer in memory at once."""
 
-    def __init__(self, max_streams: int = 8, bodies: int = 2):
+    def __init__(self, max_streams: int = 8, bodies: int = 1):
         if max_streams < 1 or bodies < 1:
             raise ValueError("max_streams and bodies must be >= 1")
         self.max_streams, self.bodies = max_streams, bodies
