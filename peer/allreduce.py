@@ -25,7 +25,12 @@ is the member expected for that part, and the slice's codec, dtype, shape ``(num
 offset and extent, weight, and that it decodes to finite values. Any failure drops that
 member from the round (``reason=... peer=<peer id>`` in the log): nothing it sent is used,
 its slice is not reduced, and its own reduced part falls back (below). A frame that does not
-even verify is blamed on the stream's remote peer, which libp2p authenticated.
+even verify is blamed on the stream's remote peer, which libp2p authenticated. A frame that
+is validly signed and that no honest client sends (NaN values, a misshapen slice) is also
+returned as evidence (``AllReduceOutcome.offences``, ``protocol.evidence``); the node bans its
+signer (``peer.bans``), and from then on our reductions leave out its pushes (``banned``)
+while its groups and its own reduced parts are handled like anyone's, so the members land
+one average whether or not they have seen the evidence.
 
 Deadlines (``D = group.deadline_s``, from the moment ``allreduce`` is called): pushes for our
 slice must be in by ``D``; members missing then are dropped and the reducer averages the rest,
@@ -39,7 +44,7 @@ of a part it holds to a member that reports lacking it; a member takes a forward
 one forwarder has sent all of it, checked as if its reducer had sent it. Each waits until
 every member that took part has reported and it holds every part someone holds, or ``2.5 *
 D``. So a member that timed out on a part, or whose slice a reducer dropped as late (a
-reducer sends its mean to its contributors only), still ends the round with the part the
+reducer sends its mean to its contributors, and members it banned, only), still ends the round with the part the
 others hold: members that timed out on each other no longer land different averages. A
 member keeps the parts of its last few finished rounds to answer a report that comes after it
 finished. ``AllReduceOutcome.agreed`` says whether this member saw the agreement complete.
@@ -90,8 +95,9 @@ from peer.inbox import HEADER_LEN, FrameTooLarge, PendingFrames, StreamEnded, St
 from peer.ratelimit import CHUNK_BYTES, RateLimiter
 from protocol.codecs import get_codec
 from protocol.envelope import seal_parts, verify
+from protocol.evidence import offence
 from protocol.errors import LocalProtocolError, RemoteProtocolError
-from protocol.identity import Identity
+from protocol.identity import Identity, peer_id_from_public_key
 from protocol.messages import MAX_FRAME_BYTES
 from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
@@ -148,6 +154,9 @@ class AllReduceOutcome:
     clipped: tuple[int, ...] = ()
     """Members whose slice we scaled down, as the reducer of our part, because its norm was
     over ``clip`` x the lower median of the contributions' norms (protocol.butterfly)."""
+    offences: tuple[tuple[bytes, str, bytes], ...] = ()
+    """Proven lies seen in this round: (signer's public key, what is wrong, the signed frame),
+    one per signer (``protocol.evidence``); ``peer.bans`` keeps them."""
 
 
 def chunk_elements(max_frame_bytes: int) -> int:
@@ -194,6 +203,9 @@ class Averager:
         self.read_timeout_s = read_timeout_s
         self.clip = clip  # the run's sync.clip: robust mean (protocol.butterfly)
         self.max_weight = max_weight  # the run's most tokens one sync may cover
+        self.banned: set[str] | frozenset[str] = frozenset()
+        """Peer IDs banned for a proven lie: their pushes are averaged by no round of ours
+        (``peer.bans`` keeps this set; the node hands it over)."""
         self.reconnect: Callable[[str], Awaitable[bool]] | None = None
         """Called with a peer ID when no stream to it could be opened; True if it opened
         another way there (the node dials peers behind NAT through their relays)."""
@@ -400,7 +412,8 @@ class Averager:
         gid = bytes(group.group_id)
         if gid in self._active:
             raise LocalProtocolError(f"group {gid.hex()} is already averaging")
-        rnd = Round(group, me, vec, get_codec(group.codec), self.clip)
+        excluded = frozenset(i for i, key in enumerate(group.members) if peer_id_from_public_key(key) in self.banned)
+        rnd = Round(group, me, vec, get_codec(group.codec), self.clip, excluded)
         self._active[gid] = rnd
         for peer_id, item, nbytes, data in self._pending.pop(gid):  # in arrival order
             if isinstance(item, StreamEnded):
@@ -423,7 +436,7 @@ class Averager:
             await self._wait(rnd, rnd.pushes_done, push_deadline)
             rnd.collecting_pushes = False
             for i in range(rnd.n):
-                if i != me and i not in rnd.dropped and rnd.pushed[i] != rnd.size(me):
+                if i != me and i not in rnd.dropped and i not in rnd.excluded and rnd.pushed[i] != rnd.size(me):
                     rnd.drop(i, "timeout:slice not received in time")
 
             if rnd.size(me):
@@ -431,7 +444,7 @@ class Averager:
                 encoded = self._encode(rnd, me, mean)
                 frames = self._frames(rnd, me, encoded, total, contrib)
                 rnd.reduced(contrib, encoded, frames)
-                for i in contrib:
+                for i in sorted(set(contrib) | rnd.excluded):  # a banned member is alive: it needs our part too
                     if i != me:
                         tasks.append(asyncio.create_task(self._deliver(rnd, i, frames, end_deadline, sent, False)))
 
@@ -473,9 +486,14 @@ class Averager:
         if disputed:
             log.warning("members hold different means of one part parts=%s group=%s: its reducer sent "
                         "different ones", list(disputed), gid.hex())
+        offences: dict[bytes, tuple[bytes, str, bytes]] = {}
+        for frame in rnd.suspect:
+            proven = offence(frame, self.run_id)
+            if proven is not None:
+                offences.setdefault(proven[0], (proven[0], proven[1], frame))
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, partial, tuple(sorted(rnd.repaired)),
-                                rnd.settled() and not disputed, tuple(rnd.clipped))
+                                rnd.settled() and not disputed, tuple(rnd.clipped), tuple(offences.values()))
 
     async def _agree(self, rnd: Round) -> None:
         """Tell every member which parts we hold, forward the ones they lack, and wait for what

@@ -33,6 +33,7 @@ from protocol.identity import peer_id_from_public_key
 from protocol.messages import digest
 from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
+MAX_SUSPECT_FRAMES = 4  # signed frames that failed a check, kept per round for peer.bans to judge
 LATE = ("timeout", "short")
 """Reasons for which a member was dropped as late, not as a liar: its stream timed out, or
 ended with its slice or part short. A late member may still send its part, and it may have
@@ -63,8 +64,13 @@ def _check_disjoint(chunks: list[tuple[int, int]], offset: int, numel: int) -> N
 class Round:
     """One member's all-reduce of one group (see the module docstring)."""
 
-    def __init__(self, group: Any, me: int, vector: torch.Tensor, codec: Codec, clip: float = 0.0):
+    def __init__(self, group: Any, me: int, vector: torch.Tensor, codec: Codec, clip: float = 0.0,
+                 excluded: frozenset[int] = frozenset()):
         self.group, self.me, self.codec, self.clip = group, me, codec, clip
+        self.excluded = excluded - {me}
+        """Members banned for a proven lie: we average none of their pushes (a reducer decides
+        its contributors, so the others still land what we land). Their reduced parts are
+        checked like anyone's."""
         self.n = len(group.members)
         self.bounds = slice_bounds(group.numel, self.n)
         self.peer_ids = [peer_id_from_public_key(k) for k in group.members]
@@ -73,6 +79,7 @@ class Round:
         self.result = torch.empty(group.numel, dtype=torch.float32)
         self.dropped: dict[int, str] = {}  # member -> reason
         self.clipped: list[int] = []  # members whose slice we scaled down as too large
+        self.suspect: list[bytes] = []  # signed frames that failed a check: evidence if they prove a lie
         # pushes of our slice: sender -> [(offset, numel, payload)], and elements covered
         self.pushes: dict[int, list[tuple[int, int, Any]]] = {}
         self.pushed = [0] * self.n
@@ -105,7 +112,8 @@ class Round:
     # --- what the waiters ask -------------------------------------------------------------
 
     def pushes_done(self) -> bool:
-        return all(i == self.me or i in self.dropped or self.pushed[i] == self.size(self.me) for i in range(self.n))
+        return all(i == self.me or i in self.dropped or i in self.excluded or self.pushed[i] == self.size(self.me)
+                   for i in range(self.n))
 
     def means_done(self) -> bool:
         return all(j == self.me or j in self.dropped or self.got[j] == self.size(j) for j in range(self.n))
@@ -187,8 +195,13 @@ class Round:
                 self._accept_mean(i, msg, v.payload_digest, data)  # type: ignore[arg-type]
         except RemoteProtocolError as e:
             self.drop(i, f"{type(msg).__name__}:{e}")
+            self._keep_suspect(data)
             return
         self.changed.set()
+
+    def _keep_suspect(self, data: bytes) -> None:
+        if len(self.suspect) < MAX_SUSPECT_FRAMES:
+            self.suspect.append(bytes(data))
 
     def stream_ended(self, peer_id: str, kind: type) -> None:
         """A stream on which member ``peer_id`` sent its slice of ours (``PushSlice``) or its
@@ -197,7 +210,7 @@ class Round:
         i = self.index.get(peer_id)
         if i is None or i == self.me or i in self.dropped:
             return
-        if kind is PushSlice and self.collecting_pushes and self.pushed[i] != self.size(self.me):
+        if kind is PushSlice and self.collecting_pushes and i not in self.excluded and self.pushed[i] != self.size(self.me):
             self.drop(i, f"short:its stream ended after {self.pushed[i]} of the slice's {self.size(self.me)} elements")
         elif kind is SliceAveraged and self.collecting_means and not self.holds(i) and self.size(i):
             self.drop(i, f"short:its stream ended after {self.got[i]} of its part's {self.size(i)} elements")
@@ -226,6 +239,7 @@ class Round:
             log.warning("rejected forwarded part reason=%s reducer=%s forwarder=%s group=%s", e,
                         self.peer_ids[j], forwarder, self.group.group_id.hex())
             self.repairs.pop((j, f), None)
+            self._keep_suspect(data)  # evidence against its signer, the reducer
             return
         chunks.append((msg.offset, msg.numel, data, v.payload_digest, tuple(msg.contributors), msg.payload))
         if sum(c[1] for c in chunks) == self.size(j):
@@ -272,6 +286,8 @@ class Round:
         if not self.collecting_pushes:
             log.info("late slice ignored peer=%s group=%s", self.peer_ids[i], self.group.group_id.hex())
             return
+        if i in self.excluded:
+            return  # banned: we average none of its pushes
         self._check_slice(msg, self.me, self.pushed[i])
         if msg.weight != self.group.weights[i]:
             raise RemoteProtocolError(f"weight {msg.weight} is not the group's {self.group.weights[i]}")
@@ -326,7 +342,7 @@ class Round:
         peer.simulation.allreduce does it. -> (fp32 mean, contributors, their total weight)."""
         me, (s, e) = self.me, self.bounds[self.me]
         contrib = tuple(i for i in range(self.n)
-                        if i == me or (i not in self.dropped and self.pushed[i] == e - s))
+                        if i == me or (i not in self.dropped and i not in self.excluded and self.pushed[i] == e - s))
         total_w = float(sum(self.group.weights[i] for i in contrib))
         norms = [slice_norm(self.vector[s:e] if i == me else self._decoded(i)) for i in contrib]
         scales = clip_scales(norms, self.clip)

@@ -17,12 +17,14 @@ from typing import Annotated
 
 from protocol.messages import (
     RUN_ID_BYTES, U32, U64, Bool, Bytes, DecodeError, Float, Int, InvalidMessage, Line, Message, Opt, PeerIdText, Rate,
-    Seconds, Str, Tag,
+    Seconds, Seq, Str, Tag,
     UnixTime, Weight, decode, encode, message,
 )
 from protocol.messages_swarm import PEER_STATES, Fragment, Round
 
 RequestId = U32
+MAX_BANS_SHOWN = 32
+"""Bans a status lists (each line at most 400 characters: it fits a control frame)."""
 """Chosen by the dashboard; 0 marks a status the node pushed on its own."""
 NODE_STATES = (*PEER_STATES, "pausing")
 """A node's states as the control socket reports them: a peer's, and ``pausing`` (a pause was
@@ -171,6 +173,9 @@ class StatusReported(Message):
     ``inner_step_s`` it gives the progress and an ETA. 0: unknown (no run yet, or an older node)."""
     awaiting_confirm: Annotated[bool, Bool()] = False
     """The node waits for the volunteer's go-ahead (a first run); ``ResumeTraining`` gives it."""
+    banned: Annotated[tuple[str, ...], Seq(Str(max_len=400), max_len=MAX_BANS_SHOWN)] = ()
+    """Peers this node banned from the run for a proven lie, each as ``<peer ID> <reason>``
+    (the newest ``MAX_BANS_SHOWN``; the evidence is in the data dir, ``peer.bans``)."""
 
 
 @message(Tag.STATE_CHANGED)
@@ -214,6 +219,8 @@ class PeerUpdated(Message):
     rounds_done: U64
     last_seen_at: UnixTime
     """When its heartbeat was sent (its clock)."""
+    banned: Line = ""
+    """Why this node banned the peer (a proven lie, ``peer.bans``), or ""."""
 
 
 @message(Tag.FRAGMENT_SYNCED)

@@ -61,6 +61,7 @@ def format_status(st: StatusReported) -> str:
         + (f" · {st.steps_dropped} steps dropped" if st.steps_dropped else ""),
         f"settings  {st.settings_path or '(defaults, not saved)'}",
         f"uptime    {st.uptime_s / 3600:.1f} h",
+        *(f"banned    {line}" for line in st.banned),
     ]
     return "\n".join(lines)
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from peer.allreduce import Averager
+from peer.bans import Bans
 from peer.control import ControlServer
 from peer.credit import CreditLedger
 from peer.identity_store import load_or_create_identity
@@ -85,6 +86,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
         self.worker: Worker | None = None
         self.sampler: Any = None
         self.ledger: CreditLedger | None = None
+        self.bans: Bans | None = None
         self.signed: SignedManifest | None = None
         # what the volunteer asked for (set from the control thread, read by the training thread)
         self._user_paused = False
@@ -143,6 +145,9 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
                                             chunk_bytes=swarm.state_chunk_bytes)
             self.net.call(self.state_server.start(), timeout=30)
             self.ledger = CreditLedger(self.cfg.data_dir / self.signed.run_id_text / "credit.json")
+            self.bans = Bans(self.cfg.data_dir / self.signed.run_id_text / "bans", self.run_id)
+            self.bans.load()
+            self.averager.banned = self.bans.peer_ids  # one set: a ban holds from the next round on
             self.state_digest = b""
             self._publishing = None
             self._alone_this_round = False  # averaged alone since our last full round

@@ -43,6 +43,9 @@ class SyncMixin:
         if _fault_due(fragment, round_):  # tests: vanish mid-round, as with kill -9
             os.kill(os.getpid(), signal.SIGKILL)
         outcome = await self.averager.allreduce(group, delta, float(weight))
+        for key, reason, frame in outcome.offences:  # a proven lie: banned from our next round on
+            if self.bans is not None:
+                self.bans.add(key, reason, frame)
         # A slice whose reducer failed has no agreed mean. Keep that slice of the *global* copy
         # where it was (a zero averaged delta): every surviving member does the same, so they
         # still hold bit-identical global copies. (Using each member's own delta there would

@@ -19,6 +19,7 @@ from protocol.identity import peer_id_from_public_key
 from protocol.manifest import RunAddress
 from protocol.messages import Message
 from protocol.messages_control import (
+    MAX_BANS_SHOWN,
     FinishAndStop,
     LeaveRun,
     LogRecorded,
@@ -109,7 +110,9 @@ class VolunteerMixin:
             steps_dropped=c.steps_dropped if c else 0,
             join_address=self.join_address() if self._maddrs else "",
             total_steps=self.signed.manifest.train.inner.total_steps if self.signed else 0,
-            awaiting_confirm=self._awaiting_confirm())
+            awaiting_confirm=self._awaiting_confirm(),
+            banned=tuple(f"{b.peer_id} {b.reason}"[:400] for b in self.bans.items()[-MAX_BANS_SHOWN:])
+            if self.bans else ())
 
     def _tokens_per_s(self) -> float:
         """Tokens per second of training time (time blocked on the network included, pauses
@@ -197,7 +200,7 @@ class VolunteerMixin:
     def _peer_row(self, key: bytes, hb: Heartbeat, now: float) -> PeerUpdated:
         return PeerUpdated(at=now, peer_id=peer_id_from_public_key(key), state=hb.state, device=hb.device,
                            tokens=hb.tokens, tokens_per_s=hb.tokens_per_s, rounds_done=min(hb.rounds, default=0),
-                           last_seen_at=hb.sent_at)
+                           last_seen_at=hb.sent_at, banned=(self.bans.reason(key) or "")[:256] if self.bans else "")
 
     def _apply_caps(self) -> None:
         net = self.settings.network

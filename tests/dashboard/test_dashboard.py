@@ -322,6 +322,22 @@ def test_a_stale_peer_is_marked(sock):
     run(go())
 
 
+def test_a_banned_peer_shows_why_in_the_peers_table(sock):
+    async def go():
+        with FakeNode(sock) as node:
+            app = make_app(sock)
+            async with app.run_test(size=(130, 42)) as pilot:
+                await until(pilot, lambda: app.model.node_up, "the first status")
+                node.emit(PeerUpdated(at=NOW, peer_id=OTHER, state="training", device="cpu", tokens=1,
+                                      tokens_per_s=1.0, rounds_done=1, last_seen_at=NOW - 1,
+                                      banned="PushSlice: block scale is NaN"))
+                table = app.screen.query_one("#peers")
+                await until(pilot, lambda: table.row_count == 1, "the peer's row")
+                assert str(table.get_row_at(0)[1]) == "banned: PushSlice: block scale is NaN"
+
+    run(go())
+
+
 def test_a_refused_command_shows_the_reason_and_nothing_breaks(sock):
     async def go():
         with FakeNode(sock) as node:

@@ -160,3 +160,9 @@ def test_status_text_has_the_target_line_only_when_the_node_reports_one():
     paused = format_status(status(state="paused", pause_reason="paused by you", step=120, total_steps=2000,
                                   inner_step_s=0.25))
     assert "ETA 7 min 50 s once resumed" in paused
+
+
+def test_status_text_lists_the_peers_this_node_banned_and_why():
+    line = "12D3KooWGzNJhy6ehyTJDtk1ymd2PvvZ6rfpeDwNN8ekgyQCpQXP PushSlice: values are NaN"
+    assert f"banned    {line}" in format_status(status(banned=(line,))).splitlines()
+    assert "banned" not in format_status(status())

@@ -74,7 +74,10 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
             if cmd == "stop":
                 break
             logs.lines.clear()
-            if cmd == "cap":  # the volunteer's bandwidth caps, bytes per second
+            if cmd == "ban":  # peer IDs this member banned for a proven lie (peer.bans keeps them in a node)
+                av.banned = set(args[0])
+                out_q.put(("banned",))
+            elif cmd == "cap":  # the volunteer's bandwidth caps, bytes per second
                 av.upload.set_rate(args[0])
                 av.download.set_rate(args[1])
                 out_q.put(("capped",))
@@ -91,7 +94,7 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
                     out_q.put(("done", out.average.numpy().tobytes(), out.dropped, out.fallback_parts,
                                out.bytes_sent, out.elapsed_s, list(logs.lines),
                                {"repaired": out.repaired_parts, "agreed": out.agreed, "partial": out.partial_parts,
-                                "clipped": out.clipped}))
+                                "clipped": out.clipped, "offences": [(k, why) for k, why, _ in out.offences]}))
                 else:
                     net.call(send_bad_slices(av, group, vec, me), 30)
                     out_q.put(("sent",))
@@ -331,9 +334,12 @@ def test_forged_misshapen_nan_and_short_slices_drop_their_sender(swarm):
     reasons = {0: "VerificationError", 1: "shape", 2: "NaN", 3: "reason=short:"}
     results = []
     for i in honest:
-        kind, avg, dropped, fallback, _, _, lines, _ = peers[i].reply()
+        kind, avg, dropped, fallback, _, _, lines, info = peers[i].reply()
         assert kind == "done" and dropped == (bad,) and fallback == (bad,)
         assert any(f"peer={bad_id}" in ln and reasons[i] in ln and "reason=" in ln for ln in lines), lines
+        # the misshapen and the NaN slice are signed proof of a lie (protocol.evidence); a broken
+        # signature proves nothing about anyone, and a short slice could be a slow sender's
+        assert [k for k, _ in info["offences"]] == ([peers[bad].public_key] if i in (1, 2) else [])
         got = as_tensor(avg)
         results.append(got)
         for j in honest:
@@ -341,6 +347,30 @@ def test_forged_misshapen_nan_and_short_slices_drop_their_sender(swarm):
             assert torch.equal(got[s:e], ref[j])  # the honest members' mean, without the bad one
     s, e = bounds[bad]
     assert all(torch.equal(a[:s], results[0][:s]) for a in results)  # identical outside the fallback part
+
+
+def test_a_banned_members_pushes_are_left_out_by_the_reducer_that_banned_it_and_all_still_agree(swarm):
+    """Member 0 banned member 2 (a proven lie in an earlier round; the others have not seen
+    it). Member 0's part is the mean of 0 and 1 only; every other part counts all three; and
+    since each reducer decides its own contributors, all three land the same average."""
+    peers = swarm(3)
+    weights = [1.0, 2.0, 3.0]
+    peers[0].cmd.put(("ban", [_peer_id(peers[2].public_key)]))
+    assert peers[0].reply()[0] == "banned"
+    fields = group_fields(peers, weights, "fp4", group_id=b"banned".ljust(16, b"\0"))
+    for i, p in enumerate(peers):
+        p.cmd.put(("allreduce", fields, 500 + i, "honest"))
+    replies = [p.reply() for p in peers]
+    vectors = [make_vector(500 + i) for i in range(3)]
+    ref_all = partial_reference(vectors, weights, [0, 1, 2], "fp4")
+    ref_without = partial_reference(vectors, weights, [0, 1], "fp4")
+    bounds = slice_bounds(NUMEL, 3)
+    for kind, avg, dropped, fallback, *_ in replies:
+        assert kind == "done" and dropped == () and fallback == () and avg == replies[0][1]
+    got = as_tensor(replies[0][1])
+    assert torch.equal(got[bounds[0][0]:bounds[0][1]], ref_without[0])
+    for j in (1, 2):
+        assert torch.equal(got[bounds[j][0]:bounds[j][1]], ref_all[j])
 
 
 def test_asymmetric_drops_are_repaired_within_the_round_so_every_member_lands_the_same_average(swarm):

@@ -154,7 +154,8 @@ class DashboardScreen(ViewScreen):
         peers = self.query_one("#peers", DataTable)
         peers.clear()
         for p, stale in model.peer_rows(now):
-            cells = [short_peer(p.peer_id), p.state, f"{p.tokens_per_s:,.0f}", f"{p.tokens:,}", str(p.rounds_done),
+            state = f"banned: {p.banned}" if p.banned else p.state
+            cells = [short_peer(p.peer_id), state, f"{p.tokens_per_s:,.0f}", f"{p.tokens:,}", str(p.rounds_done),
                      ago(now - p.last_seen_at) + (" · stale" if stale else "")]
             # a stale row is dimmed: its peer missed heartbeats and may be gone (PeerLeft removes it)
             peers.add_row(*(Text(c, style="dim") if stale else c for c in cells))

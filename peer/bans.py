@@ -1,0 +1,110 @@
+"""Peers banned from a run for a proven lie, each with its signed evidence on disk.
+
+A ban needs a frame its signer signed that no honest client sends (``protocol.evidence``):
+values that are NaN or infinite, block scales or a layout the codec refuses, a shape that is
+not a flat float32 slice. Being slow, late, short or unreachable never bans anyone. A banned
+peer's pushes are averaged by none of our rounds (``peer.allreduce``); the groups it is in are
+unchanged (every peer forms the same groups from the same joins), and its reduced parts are
+checked like anyone's, so honest peers that have not seen the evidence still land what we land.
+
+Files: ``<data dir>/<run>/bans/<peer ID>.frame``, the signed frame itself, written atomically.
+At start every file is checked again; one that proves nothing (edited, truncated, another
+run's) is ignored with a warning and left where it is, so nothing is banned on a file's word.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.evidence import offence
+from protocol.identity import peer_id_from_public_key
+
+log = logging.getLogger(__name__)
+
+MAX_BANS = 256
+"""Evidence files kept per run (a frame is at most 64 MiB; most are far smaller). Past it a
+new offender is still banned, for this session only."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ban:
+    peer_id: str
+    reason: str
+    since: float
+    """Unix time the evidence was saved."""
+
+
+class Bans:
+    """The bans of one run (see the module docstring)."""
+
+    def __init__(self, directory: Path, run_id: bytes):
+        self.directory, self.run_id = Path(directory), bytes(run_id)
+        self._bans: dict[bytes, Ban] = {}
+        self.peer_ids: set[str] = set()
+        """The banned peer IDs; the averager reads this set (it is updated in place)."""
+
+    def load(self) -> None:
+        """Read and check every evidence file; a file that proves nothing is ignored (logged)."""
+        if not self.directory.is_dir():
+            return
+        for path in sorted(self.directory.glob("*.frame")):
+            try:
+                frame = path.read_bytes()
+                since = path.stat().st_mtime
+            except OSError as e:
+                log.warning("could not read ban evidence path=%s reason=%s", path, e.strerror)
+                continue
+            proven = offence(frame, self.run_id)
+            if proven is None or peer_id_from_public_key(proven[0]) != path.stem:
+                log.warning("ban evidence proves nothing and is ignored path=%s (delete it, or restore the "
+                            "original file)", path)
+                continue
+            self._ban(proven[0], proven[1], since)
+
+    def add(self, key: bytes, reason: str, frame: bytes) -> bool:
+        """Ban ``key`` with ``frame`` (checked again here) as evidence. -> False when the frame
+        proves nothing against ``key`` or the key is banned already."""
+        proven = offence(frame, self.run_id)
+        if proven is None or proven[0] != key or key in self._bans:
+            return False
+        peer_id = peer_id_from_public_key(key)
+        if len(self._bans) < MAX_BANS:
+            try:
+                self._write(self.directory / f"{peer_id}.frame", frame)
+            except OSError as e:
+                log.warning("could not save ban evidence peer=%s reason=%s; banned for this session only",
+                            peer_id, e.strerror)
+        else:
+            log.warning("%d bans saved already; peer=%s is banned for this session only", MAX_BANS, peer_id)
+        self._ban(key, proven[1], time.time())
+        log.warning("banned peer=%s reason=%s evidence=%s", peer_id, proven[1], self.directory / f"{peer_id}.frame")
+        return True
+
+    def reason(self, key: bytes) -> str | None:
+        ban = self._bans.get(bytes(key))
+        return ban.reason if ban else None
+
+    def items(self) -> list[Ban]:
+        return sorted(self._bans.values(), key=lambda b: b.since)
+
+    def __len__(self) -> int:
+        return len(self._bans)
+
+    def _ban(self, key: bytes, reason: str, since: float) -> None:
+        ban = Ban(peer_id_from_public_key(key), reason, since)
+        self._bans[bytes(key)] = ban
+        self.peer_ids.add(ban.peer_id)
+
+    @staticmethod
+    def _write(path: Path, data: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
