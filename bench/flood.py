@@ -11,8 +11,8 @@ how the averager was before the limits per peer), in the same run:
     python bench/flood.py                      # table on stdout, JSON in bench/results/flood.json
     python bench/flood.py --streams 4,16 --frames 2 --frame-mib 60
 
-The growth with limits on is bounded by the per-peer limits (8 streams, one frame body read
-at a time, a quarter of the early-frame buffer) whatever the attacker sends; with them off it
+The growth with limits on is bounded by the per-peer limits (32 streams, one frame body read
+at a time, in chunks, a quarter of the early-frame buffer) whatever the attacker sends; with them off it
 grows with the streams the attacker opens. A frame body is held a few times over while it is
 read and verified (the stream's buffer, the frame, the envelope's body, the payload), so the
 bound is several frames, not one. One run per row: the figure is a peak, not a rate.

@@ -62,10 +62,11 @@ groups (the oldest is evicted) and ``max_pending_bytes`` in all, and one peer's 
 most ``max_pending_groups_per_peer`` groups and ``max_pending_bytes_per_peer`` bytes (frames
 beyond are dropped), each group for at most ``pending_ttl_s``. Frames for a group this member
 already finished are dropped (a bounded memory of recent group IDs). A peer may hold at most
-``max_streams_per_peer`` averaging streams open to us and have one frame body in memory at
-a time. So failed or foreign rounds, or one flooding identity, cannot grow memory or crowd out
-honest peers' early frames. Raise ``max_pending_bytes`` if you see ``reason=pending_full`` with
-large fragments.
+``max_streams_per_peer`` averaging streams open to us and have one frame body being read at
+a time. So failed or foreign rounds, or one flooding identity, cannot grow memory or take more than
+its share of the buffer. Raise ``max_pending_bytes`` (and ``max_pending_bytes_per_peer``) if
+you see ``reason=pending_full`` (``peer_pending_full``) with large fragments. A slice left
+short because *we* dropped some of its frames at a limit is not blamed on its sender.
 
 Short slices. A sender writes all of its slice (or part) on one stream and then closes it. A
 stream that ends with the slice it carried short (signed, well-formed frames that do not
@@ -91,11 +92,10 @@ from hivemind.p2p import P2P, PeerID
 
 from peer.allreduce_round import Round
 from peer.inbox import HEADER_LEN, FrameTooLarge, PendingFrames, StreamEnded, StreamGate, TooManyStreams, \
-    peek_group, read_header
+    peek_group, read_body, read_header
 from peer.ratelimit import CHUNK_BYTES, RateLimiter
 from protocol.codecs import get_codec
 from protocol.envelope import seal_parts, verify
-from protocol.evidence import offence
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.identity import Identity, peer_id_from_public_key
 from protocol.messages import MAX_FRAME_BYTES
@@ -180,7 +180,7 @@ class Averager:
     def __init__(self, p2p: P2P, identity: Identity, run_id: bytes, *, max_pending_groups: int = 8,
                  max_frame_bytes: int = 64 << 20, max_pending_bytes: int | None = None,
                  max_pending_groups_per_peer: int | None = None, max_pending_bytes_per_peer: int | None = None,
-                 max_streams_per_peer: int = 8, pending_ttl_s: float = 120.0, read_timeout_s: float = 30.0,
+                 max_streams_per_peer: int = 32, pending_ttl_s: float = 120.0, read_timeout_s: float = 30.0,
                  upload: RateLimiter | None = None, download: RateLimiter | None = None,
                  clip: float = 2.0, max_weight: float = 1e18):
         if not 2 * _HEAD_ROOM <= max_frame_bytes <= MAX_FRAME_BYTES:
@@ -254,10 +254,11 @@ class Averager:
                     if size is None:
                         self._stream_ended(peer_id, carried)
                         break
-                    async with self._gate.body(peer_id):  # a peer's frames in memory: a few at a time
-                        data = await asyncio.wait_for(reader.readexactly(size), self.read_timeout_s)
+                    async with self._gate.body(peer_id):  # one of a peer's frames being read at a time
+                        data = await read_body(reader, size, self.read_timeout_s)
                         await self.download.take(HEADER_LEN + size)  # holds back the sender under a cap
                         key = self._on_frame(peer_id, data)
+                        del data  # or this stream holds its last frame while it waits for the next
                     if key is not None:
                         carried.add(key)
         except TooManyStreams as e:
@@ -299,8 +300,8 @@ class Averager:
         elif gid in self._finished:
             log.debug("frame for a finished group dropped peer=%s group=%s", peer_id, gid.hex())
             return None
-        else:
-            self._pending.add(gid, peer_id, v, nbytes, data)
+        elif not self._pending.add(gid, peer_id, v, nbytes, data):
+            return None  # dropped at a limit of ours: its stream's end says nothing about the sender
         return None if isinstance(v.message, PartsHeld) else (gid, type(v.message))
 
     def _stream_ended(self, peer_id: str, carried: set[tuple[bytes, type]]) -> None:
@@ -486,14 +487,10 @@ class Averager:
         if disputed:
             log.warning("members hold different means of one part parts=%s group=%s: its reducer sent "
                         "different ones", list(disputed), gid.hex())
-        offences: dict[bytes, tuple[bytes, str, bytes]] = {}
-        for frame in rnd.suspect:
-            proven = offence(frame, self.run_id)
-            if proven is not None:
-                offences.setdefault(proven[0], (proven[0], proven[1], frame))
+        offences, rnd.offences = tuple(rnd.offences.values()), {}  # the round is kept a while: not its evidence
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, partial, tuple(sorted(rnd.repaired)),
-                                rnd.settled() and not disputed, tuple(rnd.clipped), tuple(offences.values()))
+                                rnd.settled() and not disputed, tuple(rnd.clipped), offences)
 
     async def _agree(self, rnd: Round) -> None:
         """Tell every member which parts we hold, forward the ones they lack, and wait for what

@@ -10,7 +10,7 @@ Fed by the averager's stream handler with verified frames, read by ``Averager.al
    that lacks a part another holds gets that part's frames, as its reducer signed them,
    forwarded by a member that holds it (``forward_wanted`` says which). So a member that timed
    out on a part, or whose slice a reducer dropped as late (it sends its mean only to the
-   contributors), ends the round holding what the others hold; a part that nobody holds
+   contributors, and to members it banned), ends the round holding what the others hold; a part that nobody holds
    falls back on every member alike. Two members holding different digests of one part show
    that its reducer sent different means (``disputed``).
 """
@@ -28,12 +28,13 @@ import torch
 from protocol.butterfly import clip_scales, slice_bounds, slice_norm
 from protocol.codecs import Codec
 from protocol.envelope import Verified
+from protocol.evidence import offence
 from protocol.errors import RemoteProtocolError
 from protocol.identity import peer_id_from_public_key
 from protocol.messages import digest
 from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
-MAX_SUSPECT_FRAMES = 4  # signed frames that failed a check, kept per round for peer.bans to judge
+MAX_OFFENCES = 4  # proven lies kept per round (one per signer), for peer.bans
 LATE = ("timeout", "short")
 """Reasons for which a member was dropped as late, not as a liar: its stream timed out, or
 ended with its slice or part short. A late member may still send its part, and it may have
@@ -79,7 +80,8 @@ class Round:
         self.result = torch.empty(group.numel, dtype=torch.float32)
         self.dropped: dict[int, str] = {}  # member -> reason
         self.clipped: list[int] = []  # members whose slice we scaled down as too large
-        self.suspect: list[bytes] = []  # signed frames that failed a check: evidence if they prove a lie
+        # signed frames that failed a check and prove a lie (protocol.evidence): signer -> (key, why, frame)
+        self.offences: dict[bytes, tuple[bytes, str, bytes]] = {}
         # pushes of our slice: sender -> [(offset, numel, payload)], and elements covered
         self.pushes: dict[int, list[tuple[int, int, Any]]] = {}
         self.pushed = [0] * self.n
@@ -195,13 +197,18 @@ class Round:
                 self._accept_mean(i, msg, v.payload_digest, data)  # type: ignore[arg-type]
         except RemoteProtocolError as e:
             self.drop(i, f"{type(msg).__name__}:{e}")
-            self._keep_suspect(data)
+            self._keep_evidence(data)
             return
         self.changed.set()
 
-    def _keep_suspect(self, data: bytes) -> None:
-        if len(self.suspect) < MAX_SUSPECT_FRAMES:
-            self.suspect.append(bytes(data))
+    def _keep_evidence(self, data: bytes) -> None:
+        """Keep a frame that failed a check if it proves its signer lied: one per signer, a few
+        per round (a frame wrong only for this round, or a resend, proves nothing and is not kept)."""
+        if len(self.offences) >= MAX_OFFENCES:
+            return
+        proven = offence(data, self.group.run_id)
+        if proven is not None and proven[0] not in self.offences:
+            self.offences[proven[0]] = (proven[0], proven[1], bytes(data))
 
     def stream_ended(self, peer_id: str, kind: type) -> None:
         """A stream on which member ``peer_id`` sent its slice of ours (``PushSlice``) or its
@@ -239,7 +246,7 @@ class Round:
             log.warning("rejected forwarded part reason=%s reducer=%s forwarder=%s group=%s", e,
                         self.peer_ids[j], forwarder, self.group.group_id.hex())
             self.repairs.pop((j, f), None)
-            self._keep_suspect(data)  # evidence against its signer, the reducer
+            self._keep_evidence(data)  # evidence against its signer, the reducer
             return
         chunks.append((msg.offset, msg.numel, data, v.payload_digest, tuple(msg.contributors), msg.payload))
         if sum(c[1] for c in chunks) == self.size(j):

@@ -26,8 +26,10 @@ from protocol.identity import peer_id_from_public_key
 log = logging.getLogger(__name__)
 
 MAX_BANS = 256
-"""Evidence files kept per run (a frame is at most 64 MiB; most are far smaller). Past it a
-new offender is still banned, for this session only."""
+"""Evidence files kept per run. Past it a new offender is still banned, for this session only."""
+MAX_EVIDENCE_BYTES = 256 << 20
+"""Bytes of evidence kept per run (a frame is at most 64 MiB; a lie can be far smaller), so
+many keys that lie cannot fill the disk. Past it, as past ``MAX_BANS``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,7 @@ class Bans:
     def __init__(self, directory: Path, run_id: bytes):
         self.directory, self.run_id = Path(directory), bytes(run_id)
         self._bans: dict[bytes, Ban] = {}
+        self._saved = 0  # bytes of evidence on disk
         self.peer_ids: set[str] = set()
         """The banned peer IDs; the averager reads this set (it is updated in place)."""
 
@@ -55,6 +58,7 @@ class Bans:
             try:
                 frame = path.read_bytes()
                 since = path.stat().st_mtime
+                self._saved += len(frame)
             except OSError as e:
                 log.warning("could not read ban evidence path=%s reason=%s", path, e.strerror)
                 continue
@@ -72,14 +76,16 @@ class Bans:
         if proven is None or proven[0] != key or key in self._bans:
             return False
         peer_id = peer_id_from_public_key(key)
-        if len(self._bans) < MAX_BANS:
+        if len(self._bans) < MAX_BANS and self._saved + len(frame) <= MAX_EVIDENCE_BYTES:
             try:
                 self._write(self.directory / f"{peer_id}.frame", frame)
+                self._saved += len(frame)
             except OSError as e:
                 log.warning("could not save ban evidence peer=%s reason=%s; banned for this session only",
                             peer_id, e.strerror)
         else:
-            log.warning("%d bans saved already; peer=%s is banned for this session only", MAX_BANS, peer_id)
+            log.warning("%d bans (%d MiB of evidence) saved already; peer=%s is banned for this session only",
+                        len(self._bans), self._saved >> 20, peer_id)
         self._ban(key, proven[1], time.time())
         log.warning("banned peer=%s reason=%s evidence=%s", peer_id, proven[1], self.directory / f"{peer_id}.frame")
         return True

@@ -6,12 +6,16 @@ peer as well as in total (issue 12, *resource limits*):
 
 - a frame's announced length is checked before its body is read (``read_frame``);
 - ``StreamGate``: at most ``max_streams`` concurrent streams per peer (more are closed at
-  once), and at most ``bodies`` frame bodies of one peer in memory at a time (a peer's other
-  streams wait, which backs up its sender through libp2p's flow control);
+  once; a member forwarding parts opens one per part, so it is well above a group's size in
+  practice), and at most ``bodies`` frame bodies of one peer being read at a time (a peer's
+  other streams wait, which backs up its sender through libp2p's flow control). A body is
+  read in chunks into one allocation (``read_body``), so a stream holds no frame-sized buffer;
 - ``PendingFrames``: frames for groups we have not started are buffered for at most
   ``ttl_s``, in at most ``max_groups`` groups and ``max_bytes`` bytes in all, and one peer's
   frames in at most ``max_groups_per_peer`` of those groups and ``max_bytes_per_peer``
-  bytes. So a flood from one identity cannot evict the early frames of honest peers.
+  bytes, each item charged ``ITEM_OVERHEAD`` besides its frame, each blame and stream-end
+  marker once. One identity gets at most its share: it cannot fill the buffer, though while
+  the buffer is full of other peers' groups a new group of its own evicts the oldest one.
 
 Only asyncio, no I/O of its own besides reading the streams it is handed.
 """
@@ -55,13 +59,37 @@ async def read_header(reader: asyncio.StreamReader, max_bytes: int, timeout: flo
     return size
 
 
+BODY_CHUNK = 1 << 20
+"""Bytes asked of the stream at a time for a frame's body. Reading a body whole with
+``readexactly`` grows the stream's own buffer to the frame's size, and CPython keeps that
+allocation after the frame is taken from its front: each open stream would then hold a frame's
+worth of memory between frames. In chunks, the stream's buffer stays at its limit (64 KiB)."""
+
+
+async def read_body(reader: asyncio.StreamReader, size: int, timeout: float) -> bytearray:
+    """A frame body of ``size`` bytes, in one allocation, within ``timeout`` seconds in all."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    body = bytearray(size)
+    view = memoryview(body)
+    pos = 0
+    while pos < size:
+        chunk = await asyncio.wait_for(reader.read(min(BODY_CHUNK, size - pos)), max(deadline - loop.time(), 0.001))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", size)
+        view[pos:pos + len(chunk)] = chunk
+        pos += len(chunk)
+    view.release()
+    return body
+
+
 async def read_frame(reader: asyncio.StreamReader, max_bytes: int, timeout: float) -> bytes | None:
     """One length-prefixed frame, or None at a clean end of stream. The announced length is
     checked before the body is read; each read waits at most ``timeout`` seconds."""
     size = await read_header(reader, max_bytes, timeout)
     if size is None:
         return None
-    return await asyncio.wait_for(reader.readexactly(size), timeout)
+    return bytes(await read_body(reader, size, timeout))
 
 
 def peek_group(data: bytes) -> bytes | None:
@@ -82,7 +110,7 @@ class TooManyStreams(Exception):
 class StreamGate:
     """Concurrent streams per peer, and frame bodies of one peer in memory at once."""
 
-    def __init__(self, max_streams: int = 8, bodies: int = 1):
+    def __init__(self, max_streams: int = 32, bodies: int = 1):
         if max_streams < 1 or bodies < 1:
             raise ValueError("max_streams and bodies must be >= 1")
         self.max_streams, self.bodies = max_streams, bodies
@@ -120,12 +148,18 @@ class StreamEnded:
     kind: type
 
 
+ITEM_OVERHEAD = 512
+"""Bytes charged per buffered item besides its frame: a blame or a marker is not free."""
+
+
 @dataclass(slots=True)
 class _Group:
     created: float
     items: list[tuple[str, Any, int, bytes]] = field(default_factory=list)
     nbytes: int = 0
-    by_peer: dict[str, int] = field(default_factory=dict)  # bytes per peer (0: a blame or marker)
+    by_peer: dict[str, int] = field(default_factory=dict)  # bytes charged per peer
+    notes: set[tuple[str, Any]] = field(default_factory=set)  # (peer, blame or marker): each once
+    truncated: set[str] = field(default_factory=set)  # peers whose frames we dropped at a limit
 
 
 class PendingFrames:
@@ -159,38 +193,56 @@ class PendingFrames:
     def __contains__(self, gid: bytes) -> bool:
         return gid in self._groups
 
-    def add(self, gid: bytes, peer_id: str, item: Any, nbytes: int = 0, data: bytes = b"") -> None:
-        """Buffer ``item`` from ``peer_id`` for group ``gid``, or drop it (logged) over a limit."""
+    def add(self, gid: bytes, peer_id: str, item: Any, nbytes: int = 0, data: bytes = b"") -> bool:
+        """Buffer ``item`` (a verified frame of ``nbytes``, or a blame string) from ``peer_id``
+        for group ``gid``. -> False when it was dropped (logged) at a limit."""
         self._expire()
         g = self._groups.get(gid)
+        if isinstance(item, str) and g is not None and (peer_id, item) in g.notes:
+            return True  # this blame is there already
+        charge = nbytes + ITEM_OVERHEAD
+        why = ""
         if g is None or peer_id not in g.by_peer:
             held = sum(1 for other in self._groups.values() if peer_id in other.by_peer)
             if held >= self.max_groups_per_peer:
-                log.warning("frame for an unknown group dropped reason=peer_groups_full peer=%s groups=%d",
-                            peer_id, held)
-                return
-        if self._bytes + nbytes > self.max_bytes or self.peer_bytes(peer_id) + nbytes > self.max_bytes_per_peer:
-            why = "pending_full" if self._bytes + nbytes > self.max_bytes else "peer_pending_full"
+                why = "peer_groups_full"
+        if not why and self._bytes + charge > self.max_bytes:
+            why = "pending_full"
+        if not why and self.peer_bytes(peer_id) + charge > self.max_bytes_per_peer:
+            why = "peer_pending_full"
+        if not why and g is None and self.max_groups == 0:
+            why = "no_buffer"
+        if why:
             log.warning("frame for an unknown group dropped reason=%s peer=%s bytes=%d", why, peer_id, nbytes)
-            return
+            if g is not None:
+                g.truncated.add(peer_id)  # its slice here is short by our doing: no marker blames it
+            return False
         if g is None:
-            if self.max_groups == 0:
-                log.info("frame for an unknown group dropped reason=no_buffer peer=%s", peer_id)
-                return
             while len(self._groups) >= self.max_groups:
                 self._evict(next(iter(self._groups)), "too_many_groups")
             g = self._groups[gid] = _Group(created=time.monotonic())
-        g.items.append((peer_id, item, nbytes, data))
-        g.nbytes += nbytes
-        g.by_peer[peer_id] = g.by_peer.get(peer_id, 0) + nbytes
-        self._bytes += nbytes
-        self._peer_bytes[peer_id] = self.peer_bytes(peer_id) + nbytes
+        self._append(g, peer_id, item, nbytes, charge, data)
+        if isinstance(item, str):
+            g.notes.add((peer_id, item))
+        return True
 
     def note(self, gid: bytes, peer_id: str, item: Any) -> None:
-        """Add a zero-byte ``item`` to a group already buffered with frames of ``peer_id``."""
+        """Add ``item`` (a marker) once to a group already buffered with frames of ``peer_id``,
+        unless some of those frames were dropped here at a limit."""
         g = self._groups.get(gid)
-        if g is not None and peer_id in g.by_peer:
-            g.items.append((peer_id, item, 0, b""))
+        if g is None or peer_id not in g.by_peer or peer_id in g.truncated or (peer_id, item) in g.notes:
+            return
+        if self._bytes + ITEM_OVERHEAD > self.max_bytes:
+            return
+        g.notes.add((peer_id, item))
+        self._append(g, peer_id, item, 0, ITEM_OVERHEAD, b"")
+
+    def _append(self, g: _Group, peer_id: str, item: Any, nbytes: int, charge: int, data: bytes) -> None:
+        g.items.append((peer_id, item, nbytes, data))
+        g.nbytes += charge
+        g.by_peer[peer_id] = g.by_peer.get(peer_id, 0) + charge
+        self._bytes += charge
+        self._peer_bytes[peer_id] = self.peer_bytes(peer_id) + charge
 
     def pop(self, gid: bytes) -> list[tuple[str, Any, int, bytes]]:
         """The group's items in arrival order (none if nothing was buffered); forgets them."""

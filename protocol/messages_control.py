@@ -23,9 +23,9 @@ from protocol.messages import (
 from protocol.messages_swarm import PEER_STATES, Fragment, Round
 
 RequestId = U32
+"""Chosen by the dashboard; 0 marks a status the node pushed on its own."""
 MAX_BANS_SHOWN = 32
 """Bans a status lists (each line at most 400 characters: it fits a control frame)."""
-"""Chosen by the dashboard; 0 marks a status the node pushed on its own."""
 NODE_STATES = (*PEER_STATES, "pausing")
 """A node's states as the control socket reports them: a peer's, and ``pausing`` (a pause was
 asked for; the syncs in flight land first). Heartbeats say ``averaging`` then."""

@@ -38,8 +38,10 @@ class CatchUpMixin:
         ahead = {k: hb.state_digest for k, hb in peers.items()
                  if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
         # any key can claim to be ahead: believe two peers vouching for one state, or the run's
-        # creator; one peer alone only in a swarm of two (globalstate.vouchers_needed)
-        need = vouchers_needed(len(peers))
+        # creator; one peer alone only in a swarm of two (globalstate.vouchers_needed). The
+        # view counts peers whose heartbeat is still fresh: a short DHT read under load must not
+        # shrink the swarm to two and let a lone liar be believed
+        need = vouchers_needed(len(self._peers.keys() | peers.keys()))
         choice = choose_digest(ahead, min_vouchers=need, trusted=self._trusted)
         claims = set(ahead.values()) - self._refused_claims
         if claims and choice is None:

@@ -43,9 +43,6 @@ class SyncMixin:
         if _fault_due(fragment, round_):  # tests: vanish mid-round, as with kill -9
             os.kill(os.getpid(), signal.SIGKILL)
         outcome = await self.averager.allreduce(group, delta, float(weight))
-        for key, reason, frame in outcome.offences:  # a proven lie: banned from our next round on
-            if self.bans is not None:
-                self.bans.add(key, reason, frame)
         # A slice whose reducer failed has no agreed mean. Keep that slice of the *global* copy
         # where it was (a zero averaged delta): every surviving member does the same, so they
         # still hold bit-identical global copies. (Using each member's own delta there would
@@ -80,6 +77,9 @@ class SyncMixin:
             self._remember(FragmentSyncFailed(at=time.time(), fragment=fragment, round=round_, reason=reason[:256]))
         else:
             avg = outcome.average
+            for key, why, frame in outcome.offences:  # a proven lie: banned from our next round on
+                if self.bans is not None:  # (here, on the training thread: the evidence is written to disk)
+                    self.bans.add(key, why, frame)
             if not outcome.agreed:  # a member that took part never reported, or a reducer sent two
                 self._alone_this_round = True  # means: the members may land different averages: compare after
             self.stats.bytes_sent += outcome.bytes_sent
