@@ -128,6 +128,7 @@ def test_four_peers_agree_bit_for_bit_every_round_and_track_the_simulation(tmp_p
     assert abs(swarm_loss - sim.heldout_loss) < 0.35
 
 
+@pytest.mark.timeout(600)  # as the late-joiner test: it runs until the restarted peer averaged in a group again
 def test_a_peer_killed_mid_allreduce_is_dropped_expires_and_resumes_from_its_checkpoint(tmp_path, demos):
     events = Events()
     demo = Demo(3, rounds=None, workdir=tmp_path, on_event=events, checkpoint_every_s=0,
