@@ -305,6 +305,9 @@ class Matchmaker:
             return self._group(formed)
 
         # A follower (or a group of one, which may still be named by a leader whose view differs).
+        # The leader closed the same window a moment ago and is storing its record now: look
+        # again soon, then back off to poll_s (the whole group waits for its last follower).
+        delay = self.poll_s / 8
         while True:
             found = self._mine(await self._read_groups(fragment, round, numel, codec, seed), seed, weight)
             if found is not None:
@@ -313,4 +316,5 @@ class Matchmaker:
                 log.info("no group fragment=%d round=%d: averaging alone this round", fragment, round)
                 self._alone[fragment] = (round, t_me)
                 return None
-            await asyncio.sleep(max(0.0, min(self.poll_s, deadline - now())))
+            await asyncio.sleep(max(0.0, min(delay, deadline - now())))
+            delay = min(2 * delay, self.poll_s)
