@@ -118,10 +118,20 @@ if [ -n "$WHEELS" ]; then
     WHEELS="$(cd "$WHEELS" && pwd)"
 fi
 [ -n "${HOME:-}" ] || die "HOME is not set"
-case "$SERVICE_ADDRESS" in  # the whole check comes once swarmstream is installed
-    "" | *?@/?*) ;;
-    *) die "--service: not a run address ($SERVICE_ADDRESS); copy the whole address from the run's creator: swarmstream:RUN_ID@MULTIADDR" ;;
-esac
+# The address's shape is checked now, before minutes of installing: a 32-character run ID
+# (a-z, 2-7), '@', a multiaddr. The whole check comes once swarmstream is installed.
+if [ -n "$SERVICE_ADDRESS" ]; then
+    run_id="${SERVICE_ADDRESS#[Ss][Ww][Aa][Rr][Mm][Ss][Tt][Rr][Ee][Aa][Mm]:}"
+    run_id="${run_id#"${run_id%%[!/]*}"}"  # and the slashes after the scheme
+    run_id="${run_id%%@*}"
+    case "$SERVICE_ADDRESS" in
+        *?@/?*) ;;
+        *) die "--service: not a run address ($SERVICE_ADDRESS); copy the whole address from the run's creator: swarmstream:RUN_ID@MULTIADDR" ;;
+    esac
+    [[ "$run_id" =~ ^[A-Za-z2-7]{32}$ ]] \
+        || die "--service: not a run address (a run ID is 32 characters, a-z and 2-7, got '$run_id'); copy the whole address from the run's creator"
+    unset run_id
+fi
 
 # --- where things go (the same rules as peer/paths.py: platformdirs, or SWARMSTREAM_HOME) ----
 

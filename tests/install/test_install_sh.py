@@ -160,6 +160,7 @@ def test_install_run_upgrade_with_service_uninstall_and_purge(home, tmp_path):
     bad = installer(home, "--torch", "keep", "--service", "swarmstream:nonsense@/ip4/1.2.3.4/tcp/1/p2p/QmX", check=False)
     errors = [line for line in bad.stderr.splitlines() if "error" in line]
     assert bad.returncode == 1 and len(errors) == 1 and "not a run address" in errors[0]
+    assert "==>" not in bad.stdout  # refused before any step: a typo costs no install
     # (with --torch cpu, while the PyTorch CPU index is down: one look at it, one line that
     # says so, then the default index, where the torch we have already satisfies the spec)
     with unavailable_index() as (cpu_index, asked):
