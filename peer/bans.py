@@ -1,13 +1,16 @@
 """Peers banned from a run for a proven lie, each with its signed evidence on disk.
 
-A ban needs a frame its signer signed that no honest client sends (``protocol.evidence``):
-values that are NaN or infinite, block scales or a layout the codec refuses, a shape that is
-not a flat float32 slice. Being slow, late, short or unreachable never bans anyone. A banned
+A ban needs signed proof (``protocol.evidence``): a frame its signer signed that no honest
+client sends (values that are NaN or infinite, block scales or a layout the codec refuses, a
+shape that is not a flat float32 slice), or two different means of one part signed by the same
+reducer (equivocation). Being slow, late, short or unreachable never bans anyone. A banned
 peer's pushes are averaged by none of our rounds (``peer.allreduce``); the groups it is in are
 unchanged (every peer forms the same groups from the same joins), and its reduced parts are
 checked like anyone's, so honest peers that have not seen the evidence still land what we land.
 
-Files: ``<data dir>/<run>/bans/<peer ID>.frame``, the signed frame itself, written atomically.
+Files: ``<data dir>/<run>/bans/<peer ID>.frame``, the signed frame itself, or ``<peer
+ID>.frames``, a msgpack list of the signed frames that together prove the lie; written
+atomically.
 At start every file is checked again; one that proves nothing (edited, truncated, another
 run's) is ignored with a warning and left where it is, so nothing is banned on a file's word.
 """
@@ -20,7 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.evidence import offence
+import msgpack
+
+from protocol.evidence import proves
 from protocol.identity import peer_id_from_public_key
 
 log = logging.getLogger(__name__)
@@ -54,32 +59,36 @@ class Bans:
         """Read and check every evidence file; a file that proves nothing is ignored (logged)."""
         if not self.directory.is_dir():
             return
-        for path in sorted(self.directory.glob("*.frame")):
+        for path in sorted([*self.directory.glob("*.frame"), *self.directory.glob("*.frames")]):
             try:
-                frame = path.read_bytes()
+                data = path.read_bytes()
                 since = path.stat().st_mtime
-                self._saved += len(frame)
+                self._saved += len(data)
             except OSError as e:
                 log.warning("could not read ban evidence path=%s reason=%s", path, e.strerror)
                 continue
-            proven = offence(frame, self.run_id)
+            proven = proves(_frames(path, data), self.run_id)
             if proven is None or peer_id_from_public_key(proven[0]) != path.stem:
                 log.warning("ban evidence proves nothing and is ignored path=%s (delete it, or restore the "
                             "original file)", path)
                 continue
             self._ban(proven[0], proven[1], since)
 
-    def add(self, key: bytes, reason: str, frame: bytes) -> bool:
-        """Ban ``key`` with ``frame`` (checked again here) as evidence. -> False when the frame
-        proves nothing against ``key`` or the key is banned already."""
-        proven = offence(frame, self.run_id)
+    def add(self, key: bytes, reason: str, evidence: bytes | tuple[bytes, ...]) -> bool:
+        """Ban ``key`` with ``evidence`` (one signed frame, or the frames that together prove
+        the lie; checked again here). -> False when it proves nothing against ``key`` or the
+        key is banned already."""
+        frames = (evidence,) if isinstance(evidence, (bytes, bytearray)) else tuple(evidence)
+        proven = proves(frames, self.run_id)
         if proven is None or proven[0] != key or key in self._bans:
             return False
         peer_id = peer_id_from_public_key(key)
-        if len(self._bans) < MAX_BANS and self._saved + len(frame) <= MAX_EVIDENCE_BYTES:
+        name, data = ((f"{peer_id}.frame", bytes(frames[0])) if len(frames) == 1 else
+                      (f"{peer_id}.frames", msgpack.packb([bytes(f) for f in frames], use_bin_type=True)))
+        if len(self._bans) < MAX_BANS and self._saved + len(data) <= MAX_EVIDENCE_BYTES:
             try:
-                self._write(self.directory / f"{peer_id}.frame", frame)
-                self._saved += len(frame)
+                self._write(self.directory / name, data)
+                self._saved += len(data)
             except OSError as e:
                 log.warning("could not save ban evidence peer=%s reason=%s; banned for this session only",
                             peer_id, e.strerror)
@@ -87,7 +96,7 @@ class Bans:
             log.warning("%d bans (%d MiB of evidence) saved already; peer=%s is banned for this session only",
                         len(self._bans), self._saved >> 20, peer_id)
         self._ban(key, proven[1], time.time())
-        log.warning("banned peer=%s reason=%s evidence=%s", peer_id, proven[1], self.directory / f"{peer_id}.frame")
+        log.warning("banned peer=%s reason=%s evidence=%s", peer_id, proven[1], self.directory / name)
         return True
 
     def reason(self, key: bytes) -> str | None:
@@ -114,3 +123,17 @@ class Bans:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+
+
+def _frames(path: Path, data: bytes) -> tuple[bytes, ...]:
+    """The frames of an evidence file: a ``.frame`` is one; a ``.frames`` a msgpack list (an
+    unreadable one yields nothing, which proves nothing)."""
+    if path.suffix == ".frame":
+        return (data,)
+    try:
+        frames = msgpack.unpackb(data, raw=False, max_bin_len=len(data), max_array_len=2)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        return ()
+    if not isinstance(frames, list) or not all(isinstance(f, bytes) for f in frames):
+        return ()
+    return tuple(frames)

@@ -8,17 +8,25 @@ can check it again with ``offence`` alone. A frame that is wrong only for the ro
 in (a weight or an offset that does not match the group, a slice sent late or short) is
 dropped from that round, but proves nothing to others: it is never evidence, so an honest peer
 that is slow, or that saw another view of a group, is never banned.
+
+Equivocation (``equivocation``): two ``SliceAveraged`` frames signed by one reducer for the
+same part of the same group whose element ranges overlap but which differ (values,
+contributors or weight). An honest reducer computes a part once and sends the same signed
+frames to every member (and the same again when it resends), so two such frames prove that it
+sent different means to different members. ``proves`` checks any evidence: one frame or two.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from protocol.codecs import get_codec
-from protocol.envelope import verify
+from protocol.envelope import Verified, verify
 from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.messages import MAX_FRAME_BYTES
 from protocol.messages_swarm import PushSlice, SliceAveraged
 
-__all__ = ["offence"]
+__all__ = ["equivocation", "offence", "proves"]
 
 
 def offence(frame: bytes, run_id: bytes) -> tuple[bytes, str] | None:
@@ -38,3 +46,44 @@ def offence(frame: bytes, run_id: bytes) -> tuple[bytes, str] | None:
     except ProtocolError as e:
         return v.signer, f"{type(msg).__name__}: {e}"[:200]
     return None
+
+
+def equivocation(frame_a: bytes, frame_b: bytes, run_id: bytes) -> tuple[bytes, str] | None:
+    """(the reducer's key, what it did) if the two frames are ``SliceAveraged`` of run
+    ``run_id``, both validly signed by one key, for the same fragment, round, group and part,
+    over overlapping element ranges, and not the same mean; None otherwise."""
+    try:
+        a, b = (verify(f, expect=(SliceAveraged,), run_id=run_id, max_size=MAX_FRAME_BYTES) for f in (frame_a, frame_b))
+    except RemoteProtocolError:
+        return None
+    if a.signer != b.signer or _where(a) != _where(b):
+        return None
+    ma, mb = a.message, b.message
+    assert isinstance(ma, SliceAveraged) and isinstance(mb, SliceAveraged)
+    if not (ma.offset < mb.offset + mb.numel and mb.offset < ma.offset + ma.numel):
+        return None  # two chunks of one part: both may be honest
+    if _what(a) == _what(b):
+        return None  # the same mean (a resend): honest
+    return a.signer, (f"SliceAveraged: two different means of part {ma.part} of one group "
+                      f"(round {ma.round}, fragment {ma.fragment}) sent to different members")
+
+
+def proves(frames: Sequence[bytes], run_id: bytes) -> tuple[bytes, str] | None:
+    """What ``frames`` prove, if anything: one frame through ``offence``, two through
+    ``equivocation``. -> (the liar's key, what it did) or None."""
+    if len(frames) == 1:
+        return offence(frames[0], run_id)
+    if len(frames) == 2:
+        return equivocation(frames[0], frames[1], run_id)
+    return None
+
+
+def _where(v: Verified) -> tuple:
+    m = v.message
+    return (m.fragment, m.round, bytes(m.group_id), m.part)  # type: ignore[attr-defined]
+
+
+def _what(v: Verified) -> tuple:
+    m = v.message
+    return (m.offset, m.numel, m.codec, m.dtype, tuple(m.shape), tuple(m.contributors), m.weight,  # type: ignore[attr-defined]
+            v.payload_digest)
