@@ -150,13 +150,15 @@ class AllReduceOutcome:
     agreed: bool = True
     """Every member that took part reported, nobody holds a part we lack, and no two members
     hold different means of one part: as far as this member can see, the group's members
-    finish the round with the same average. False: compare states after the round."""
+    finish the round with the same average (a part proven equivocated falls back on every
+    member that holds the proof). False: compare states after the round."""
     clipped: tuple[int, ...] = ()
     """Members whose slice we scaled down, as the reducer of our part, because its norm was
     over ``clip`` x the lower median of the contributions' norms (protocol.butterfly)."""
-    offences: tuple[tuple[bytes, str, bytes], ...] = ()
-    """Proven lies seen in this round: (signer's public key, what is wrong, the signed frame),
-    one per signer (``protocol.evidence``); ``peer.bans`` keeps them."""
+    offences: tuple[tuple[bytes, str, bytes | tuple[bytes, bytes]], ...] = ()
+    """Proven lies seen in this round: (signer's public key, what is wrong, the signed frame,
+    or the two frames of an equivocation), one per signer (``protocol.evidence``);
+    ``peer.bans`` keeps them."""
 
 
 def chunk_elements(max_frame_bytes: int) -> int:
@@ -473,16 +475,17 @@ class Averager:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-        # a part nobody forwarded to us, nor holds: its reducer failed every member alike
-        fallback = tuple(j for j in range(rnd.n) if rnd.size(j) and not rnd.holds(j))
+        # a part nobody forwarded to us, nor holds: its reducer failed every member alike; or a
+        # part whose reducer we proved sent different means (every member that holds the proof)
+        fallback = tuple(j for j in range(rnd.n) if rnd.size(j) and (not rnd.holds(j) or j in rnd.convicted))
         for j in fallback:
             s, e = rnd.bounds[j]
             rnd.result[s:e] = vec[s:e]
         partial = tuple(j for j, contrib in sorted(rnd.contributors.items())
                         if rnd.holds(j) and len(contrib) < rnd.n)
         mine = rnd.digests()
-        disputed = tuple(j for j in range(rnd.n)
-                         if mine[j] and any(r[j] and r[j] != mine[j] for r in rnd.reports.values()))
+        disputed = tuple(j for j in range(rnd.n) if j not in rnd.convicted
+                         and mine[j] and any(r[j] and r[j] != mine[j] for r in rnd.reports.values()))
         rnd.retire()
         if disputed:
             log.warning("members hold different means of one part parts=%s group=%s: its reducer sent "

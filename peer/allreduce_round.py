@@ -13,6 +13,13 @@ Fed by the averager's stream handler with verified frames, read by ``Averager.al
    contributors, and to members it banned), ends the round holding what the others hold; a part that nobody holds
    falls back on every member alike. Two members holding different digests of one part show
    that its reducer sent different means (``disputed``).
+4. equivocation: a member that sees another report a digest of a part different from its own
+   forwards that member its frames of the part, so each side ends up holding two different
+   means signed by the reducer: proof (``protocol.evidence.equivocation``). A part so proven
+   (``convicted``) falls back on every member that holds the proof, and its reducer is banned.
+   Until a reported dispute is proven, or the agreement's deadline, a member does not finish:
+   honest members on both sides of a real equivocation hold the proof once their forwards
+   arrive, and one member's false report proves nothing, so everyone keeps the part.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import torch
 from protocol.butterfly import clip_scales, slice_bounds, slice_norm
 from protocol.codecs import Codec
 from protocol.envelope import Verified
-from protocol.evidence import offence
+from protocol.evidence import equivocation, offence
 from protocol.errors import RemoteProtocolError
 from protocol.identity import peer_id_from_public_key
 from protocol.messages import digest
@@ -81,7 +88,8 @@ class Round:
         self.dropped: dict[int, str] = {}  # member -> reason
         self.clipped: list[int] = []  # members whose slice we scaled down as too large
         # signed frames that failed a check and prove a lie (protocol.evidence): signer -> (key, why, frame)
-        self.offences: dict[bytes, tuple[bytes, str, bytes]] = {}
+        self.offences: dict[bytes, tuple[bytes, str, bytes | tuple[bytes, bytes]]] = {}
+        self.convicted: dict[int, tuple[bytes, bytes]] = {}  # part -> two different means its reducer signed
         # pushes of our slice: sender -> [(offset, numel, payload)], and elements covered
         self.pushes: dict[int, list[tuple[int, int, Any]]] = {}
         self.pushed = [0] * self.n
@@ -137,11 +145,23 @@ class Round:
                 and (self.pushed[i] or self.got[i] or i in counted or i in self.reports)]
 
     def agreed(self) -> bool:
-        """Every member that took part has reported, and we hold every part that any of them
-        holds (the ones we lacked were forwarded to us)."""
+        """Every member that took part has reported, we hold every part that any of them
+        holds (the ones we lacked were forwarded to us), and every part reported with two
+        different digests is proven to have been equivocated on."""
         if any(i not in self.reports for i in self.took_part()):
             return False
-        return not self.wanted()
+        return not self.wanted() and not self.unproven()
+
+    def unproven(self) -> list[int]:
+        """Parts for which two members (we included) report different digests, not (yet)
+        proven to be two means signed by the reducer."""
+        mine = self.digests()
+        out = []
+        for j in range(self.n):
+            held = {r[j] for r in self.reports.values() if r[j]} | ({mine[j]} if mine[j] else set())
+            if len(held) > 1 and j not in self.convicted:
+                out.append(j)
+        return out
 
     def settled(self) -> bool:
         """What ``AllReduceOutcome.agreed`` says: the agreement completed, and every member we
@@ -152,15 +172,18 @@ class Round:
 
     def wanted(self) -> list[int]:
         """Parts that we lack and another member reports holding."""
-        return [j for j in range(self.n)
-                if self.size(j) and not self.holds(j) and any(r[j] for r in self.reports.values())]
+        return [j for j in range(self.n) if self.size(j) and not self.holds(j) and j not in self.convicted
+                and any(r[j] for r in self.reports.values())]
 
     def forward_wanted(self) -> list[tuple[int, int]]:
-        """(member, part) pairs to forward now: the member reported lacking a part we hold."""
+        """(member, part) pairs to forward now: the member reported lacking a part we hold, or
+        holding another mean of it than ours (then our frames and its own prove the reducer
+        equivocated)."""
         out = []
+        mine = self.digests()
         for i, rep in self.reports.items():
             for j, d in enumerate(rep):
-                if not d and self.holds(j) and (i, j) not in self.forwarded and i != j:
+                if self.holds(j) and (i, j) not in self.forwarded and i != j and d != mine[j]:
                     out.append((i, j))
         return out
 
@@ -232,8 +255,16 @@ class Round:
             log.warning("rejected forwarded part reason=not_a_member peer=%s group=%s", forwarder,
                         self.group.group_id.hex())
             return
-        if not self.agreeing or self.holds(j):
-            return  # unasked for, or already here (another forwarder was quicker)
+        if not self.agreeing:
+            return  # unasked for
+        if self.holds(j) or j in self.convicted:  # here already: the same mean, or proof of another
+            same = ((msg.offset, msg.numel, v.payload_digest) in self.mean_chunks.get(j, ())
+                    and tuple(msg.contributors) == self.contributors.get(j))
+            if not same:
+                self._check_equivocation(j, data, [f[0] for f in self.frames.get(j, ())])
+            return
+        if self._check_equivocation(j, data, [c[2] for (p, _), cs in self.repairs.items() if p == j for c in cs]):
+            return
         self.bytes_received += nbytes
         chunks = self.repairs.setdefault((j, f), [])
         try:
@@ -252,6 +283,24 @@ class Round:
         if sum(c[1] for c in chunks) == self.size(j):
             self._take_repair(j, f)
         self.changed.set()
+
+    def _check_equivocation(self, j: int, data: bytes, ours: list[bytes]) -> bool:
+        """Whether ``data``, a frame of part j, and one of ``ours`` prove that j's reducer
+        signed two different means; if so the part is convicted and the proof kept."""
+        if j in self.convicted:
+            return True
+        for frame in ours:
+            proven = equivocation(bytes(frame), bytes(data), self.group.run_id)
+            if proven is None:
+                continue
+            self.convicted[j] = (bytes(frame), bytes(data))
+            log.warning("reducer equivocated part=%d peer=%s group=%s: two different means, signed; the part "
+                        "falls back", j, self.peer_ids[j], self.group.group_id.hex())
+            if len(self.offences) < MAX_OFFENCES and proven[0] not in self.offences:
+                self.offences[proven[0]] = (proven[0], proven[1], self.convicted[j])
+            self.changed.set()
+            return True
+        return False
 
     def _take_repair(self, j: int, f: int) -> None:
         chunks = self.repairs.pop((j, f))

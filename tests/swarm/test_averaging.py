@@ -115,7 +115,9 @@ def fault(av, behaviour: str) -> None:
     """Asymmetric faults of an honest-looking member, made by wrapping its averager's sends:
     ``withhold:K`` sends its reduced part to every contributor but member K (and does not
     resend it when K reports lacking it: the others must forward it); ``late:K`` pushes
-    its slice to reducer K only after the push deadline (K drops it as late); ``honest`` none."""
+    its slice to reducer K only after the push deadline (K drops it as late); ``equivocate:K``
+    sends member K its reduced part x1000, validly signed, and everyone else the true one;
+    ``honest`` none."""
     import asyncio
 
     av._deliver = type(av)._deliver.__get__(av)  # undo a fault of the previous command
@@ -127,6 +129,8 @@ def fault(av, behaviour: str) -> None:
     async def faulty(rnd, j, frames, deadline, sent, drop_on_failure):
         if j == target and kind == "withhold" and frames is rnd.frames.get(rnd.me):
             return  # our mean, withheld from one contributor, also when it reports lacking it
+        if j == target and kind == "equivocate" and frames is rnd.frames.get(rnd.me):
+            frames = [other_mean(av, b"".join(bytes(x) for x in f), 1000.0) for f in frames]
         if j == target and kind == "late" and drop_on_failure:
             loop = asyncio.get_running_loop()
             await asyncio.sleep(max(0.0, deadline - loop.time()) + 0.3)
@@ -134,6 +138,16 @@ def fault(av, behaviour: str) -> None:
         await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
 
     av._deliver = faulty
+
+
+def other_mean(av, frame: bytes, factor: float) -> list[bytes]:
+    """Our signed reduced part ``frame``, its values times ``factor``, signed again."""
+    from protocol.envelope import seal, verify
+
+    msg = verify(frame).message
+    codec = get_codec(msg.codec)
+    payload = codec.encode(codec.decode(msg.payload, msg.numel) * factor)
+    return [seal(dataclasses.replace(msg, payload=payload), av.identity)]
 
 
 async def send_bad_slices(av, group, vec: torch.Tensor, me: int) -> None:
@@ -402,6 +416,30 @@ def test_asymmetric_drops_are_repaired_within_the_round_so_every_member_lands_th
         assert elapsed < (1 + RESULT_GRACE) * deadline + 2.0, "the agreement did not wait for the deadline"
     assert 1 in replies[3][7]["repaired"] and 0 in replies[2][7]["repaired"]
     assert any("forwarding reduced part" in ln for r in replies for ln in r[6])
+
+
+def test_a_reducer_that_sends_one_member_another_mean_is_proven_to_and_falls_back_on_every_member(swarm):
+    """Member 0 sends member 2 its reduced part x1000 (validly signed) and the others the true
+    one. The members' reports show two digests of part 0; 2 and the others forward each other
+    their frames, so each holds two different means signed by 0: proof. Every honest member
+    falls back on part 0 (its own values there; the node turns that into zeros, the same on
+    every member), lands the same bytes in the other parts, and keeps the proof against 0."""
+    peers = swarm(4)
+    fields = group_fields(peers, [1.0] * 4, "fp32", group_id=b"equivocate".ljust(16, b"\0"), deadline_s=3.0)
+    faults = {0: "equivocate:2", 1: "honest", 2: "honest", 3: "honest"}
+    for i, p in enumerate(peers):
+        p.cmd.put(("allreduce", fields, 500 + i, faults[i]))
+    replies = [p.reply() for p in peers]
+    bounds = slice_bounds(NUMEL, 4)
+    honest = [replies[i] for i in (1, 2, 3)]
+    for kind, avg, dropped, fallback, _, elapsed, lines, more in honest:
+        assert kind == "done" and fallback == (0,), (dropped, fallback, lines)
+        assert more["agreed"], lines
+        assert [why for _, why in more["offences"]] and all("two different means" in why for _, why in more["offences"])
+        assert [k for k, _ in more["offences"]] == [peers[0].public_key]
+        assert as_tensor(avg)[bounds[0][1]:].equal(as_tensor(honest[0][1])[bounds[0][1]:])  # parts 1-3 alike
+        assert any("reducer equivocated" in ln for ln in lines)
+        assert elapsed < (1 + RESULT_GRACE) * 3.0 + 2.0, "the proof did not come before the agreement's deadline"
 
 
 def _peer_id(public_key: bytes) -> str:

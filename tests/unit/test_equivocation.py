@@ -1,0 +1,162 @@
+"""A reducer that sends different means of its part to different members: the two signed
+frames prove it (protocol.evidence.equivocation), the members that see the dispute exchange
+their frames and fall back on the part alike (peer.allreduce_round), and the proof bans the
+reducer across restarts (peer.bans). No network: frames go from one Round to another by hand."""
+
+import asyncio
+
+import torch
+
+from peer.allreduce import Group
+from peer.allreduce_round import Round
+from peer.bans import Bans
+from protocol.codecs import get_codec
+from protocol.envelope import seal, verify
+from protocol.evidence import equivocation, proves
+from protocol.identity import Identity
+from protocol.messages_swarm import PartsHeld, SliceAveraged
+
+RUN = b"\x05" * 20
+GID = b"g" * 16
+N = 4
+KEYS = [Identity.from_seed(bytes([0x20 + i]) * 32) for i in range(N)]
+NUMEL = 10 * N  # parts of 10
+
+
+def mean(values: torch.Tensor, part: int = 0, offset: int = 0, signer: Identity = KEYS[0], round_: int = 1,
+         contributors: tuple = tuple(range(N))) -> bytes:
+    return seal(SliceAveraged(run_id=RUN, fragment=0, round=round_, group_id=GID, part=part, offset=offset,
+                              numel=values.numel(), shape=(values.numel(),), dtype="float32", codec="fp32",
+                              weight=float(len(contributors)), contributors=contributors,
+                              payload=get_codec("fp32").encode(values)), signer)
+
+
+ONES, TWOS = torch.ones(10), torch.full((10,), 2.0)
+
+
+def test_two_different_signed_means_of_one_part_prove_equivocation():
+    key, why = equivocation(mean(ONES), mean(TWOS), RUN)
+    assert key == KEYS[0].public_key and "two different means" in why
+    assert proves([mean(ONES), mean(TWOS)], RUN)[0] == KEYS[0].public_key
+    # the same mean twice (a resend) proves nothing; nor do two chunks of one part
+    assert equivocation(mean(ONES), mean(ONES), RUN) is None
+    assert equivocation(mean(ONES[:5]), mean(TWOS[:5], offset=5), RUN) is None
+    # nor means of two rounds, two parts, two signers, another run's, or a broken signature
+    assert equivocation(mean(ONES), mean(TWOS, round_=2), RUN) is None
+    assert equivocation(mean(ONES), mean(TWOS, part=1, offset=10), RUN) is None
+    assert equivocation(mean(ONES), mean(TWOS, signer=KEYS[1]), RUN) is None
+    assert equivocation(mean(ONES), mean(TWOS), b"\x06" * 20) is None
+    assert equivocation(mean(ONES), mean(TWOS)[:-1] + b"\x00", RUN) is None
+    # the same values with other contributors is another mean too
+    assert equivocation(mean(ONES), mean(ONES, contributors=(0, 1)), RUN) is not None
+
+
+def test_an_equivocation_ban_holds_after_a_restart(tmp_path):
+    bans = Bans(tmp_path / "bans", RUN)
+    assert not bans.add(KEYS[1].public_key, "x", (mean(ONES), mean(TWOS)))  # not against KEYS[1]
+    assert bans.add(KEYS[0].public_key, "x", (mean(ONES), mean(TWOS)))
+    assert (tmp_path / "bans" / f"{KEYS[0].peer_id}.frames").exists()
+    again = Bans(tmp_path / "bans", RUN)
+    again.load()
+    assert again.peer_ids == {KEYS[0].peer_id} and "two different means" in again.reason(KEYS[0].public_key)
+    (tmp_path / "bans" / f"{KEYS[0].peer_id}.frames").write_bytes(b"\x92\xc4\x01a")  # truncated: proves nothing
+    third = Bans(tmp_path / "bans", RUN)
+    third.load()
+    assert len(third) == 0
+
+
+def member(me: int) -> Round:
+    group = Group(run_id=RUN, fragment=0, round=1, group_id=GID, members=tuple(k.public_key for k in KEYS),
+                  weights=(1.0,) * N, numel=NUMEL, codec="fp32", deadline_s=5.0)
+    rnd = Round(group, me, torch.zeros(NUMEL), get_codec("fp32"))
+    rnd.collecting_pushes = False
+    return rnd
+
+
+def deliver(rnd: Round, frame: bytes, via: int | None = None) -> None:
+    """``frame`` reaches ``rnd`` from its signer, or forwarded by member ``via``."""
+    v = verify(frame)
+    if via is None:
+        rnd.accept(v.peer_id, v, len(frame), frame)
+    else:
+        rnd.accept_forwarded(KEYS[via].peer_id, v, len(frame), frame)
+
+
+def hold(rnd: Round, j: int, values: torch.Tensor) -> None:
+    """``rnd`` holds part j: its own, reduced, or the reducer's frame received."""
+    frame = mean(values, part=j, offset=10 * j, signer=KEYS[j])
+    if j == rnd.me:
+        rnd.reduced(tuple(range(N)), [(10 * j, 10 * j + 10, get_codec("fp32").encode(values))], [[frame]])
+    else:
+        deliver(rnd, frame)
+
+
+def report(rnd: Round) -> bytes:
+    return seal(PartsHeld(run_id=RUN, fragment=0, round=1, group_id=GID, digests=rnd.digests()), KEYS[rnd.me])
+
+
+def test_members_holding_different_means_exchange_them_and_both_fall_back_on_the_part():
+    async def run():
+        a, b = member(1), member(2)  # honest; member 0 reduces part 0 and lies
+        for rnd, values in ((a, ONES), (b, TWOS)):
+            deliver(rnd, mean(values))
+            for j in range(1, N):
+                hold(rnd, j, torch.full((10,), 3.0 + j))
+            rnd.agreeing = True
+        ra, rb = report(a), report(b)
+        deliver(a, rb)
+        deliver(b, ra)
+        assert a.unproven() == [0] and b.unproven() == [0] and not a.agreed()
+        # each forwards its frames of part 0 to the other, whose digest differs
+        assert (2, 0) in a.forward_wanted() and (1, 0) in b.forward_wanted()
+        assert (2, 1) not in a.forward_wanted()  # the same digest: nothing to forward
+        for rnd, other, via in ((a, b, 2), (b, a, 1)):
+            for frames in other.frames[0]:
+                deliver(rnd, frames[0], via=via)
+        for rnd in (a, b):
+            assert 0 in rnd.convicted and rnd.unproven() == []
+            assert [o[0] for o in rnd.offences.values()] == [KEYS[0].public_key]
+            assert proves(rnd.convicted[0], RUN)[0] == KEYS[0].public_key
+
+    asyncio.run(run())
+
+
+def test_a_false_report_proves_nothing_and_the_part_is_kept():
+    async def run():
+        a = member(1)
+        deliver(a, mean(ONES))
+        for j in range(1, N):
+            hold(a, j, torch.full((10,), 3.0 + j))
+        a.agreeing = True
+        liar = list(a.digests())
+        liar[0] = b"\x01" * 32  # member 2 says it holds another mean of part 0: it has no frame to show
+        deliver(a, seal(PartsHeld(run_id=RUN, fragment=0, round=1, group_id=GID, digests=tuple(liar)), KEYS[2]))
+        assert a.unproven() == [0]  # we wait (up to the agreement's deadline) for proof
+        # it forwards our own mean back, or a mean of another part: neither proves anything
+        deliver(a, mean(ONES), via=2)
+        deliver(a, mean(TWOS, part=1, offset=10, signer=KEYS[1]), via=2)
+        assert a.convicted == {} and a.offences == {} and a.holds(0)
+
+    asyncio.run(run())
+
+
+def test_a_member_that_lacked_the_part_gets_both_means_forwarded_and_falls_back_without_waiting():
+    async def run():
+        c = member(3)  # the liar withheld part 0 from member 3, sent ONES to 1 and TWOS to 2
+        for j in (1, 2):
+            hold(c, j, torch.full((10,), 3.0 + j))
+        hold(c, 3, torch.full((10,), 6.0))
+        c.agreeing = True
+        d1, d2 = list(c.digests()), list(c.digests())
+        d1[0], d2[0] = b"\x01" * 32, b"\x02" * 32  # what 1 and 2 report for part 0 (any two digests)
+        for i, d in ((1, d1), (2, d2)):
+            deliver(c, seal(PartsHeld(run_id=RUN, fragment=0, round=1, group_id=GID, digests=tuple(d)), KEYS[i]))
+        deliver(c, report(member(0)))  # the liar reports too (holding nothing, as it happens)
+        assert c.wanted() == [0] and c.unproven() == [0] and not c.agreed()
+        deliver(c, mean(ONES), via=1)  # 1 forwards its mean: taken
+        assert c.holds(0) and c.wanted() == []
+        deliver(c, mean(TWOS), via=2)  # 2 forwards its own: another mean, signed by 0
+        assert 0 in c.convicted and c.wanted() == [] and c.unproven() == []
+        assert c.agreed()  # nothing left to wait for
+
+    asyncio.run(run())
