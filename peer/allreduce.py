@@ -290,6 +290,8 @@ class Averager:
         if forwarded:  # a part we reported lacking; unasked for outside a round, so not buffered
             if rnd is not None:
                 rnd.accept_forwarded(peer_id, v, nbytes, data)
+                if rnd.agreeing:  # it may have completed a part others lack, or proven an equivocation
+                    self._forward(rnd, rnd.tasks)
             return None
         if rnd is not None:
             rnd.accept(peer_id, v, nbytes, data)
@@ -316,14 +318,24 @@ class Averager:
                 self._pending.note(gid, peer_id, StreamEnded(kind))
 
     def _forward(self, rnd: Round, tasks: Any) -> None:
-        """Send members that reported lacking a part we hold its signed frames (see
-        ``peer.allreduce_round``), each part to each member once, within the agreement's time."""
+        """Send members that reported lacking a part we hold (or holding another mean of it)
+        its signed frames, and members that reported holding a part we proved equivocated the
+        proof (see ``peer.allreduce_round``), each part to each member once, within the
+        agreement's time."""
         loop = asyncio.get_running_loop()
         deadline = rnd.agree_deadline if rnd.agree_deadline > loop.time() else loop.time() + rnd.group.deadline_s
+        sends = []
         for i, j in rnd.forward_wanted():
             rnd.forwarded.add((i, j))
             log.info("forwarding reduced part part=%d to=%s group=%s", j, rnd.peer_ids[i], rnd.group.group_id.hex())
-            task = asyncio.create_task(self._deliver(rnd, i, rnd.frames[j], deadline, rnd.sent, False))
+            sends.append((i, rnd.frames[j]))
+        for i, j in rnd.proof_wanted():
+            rnd.proved.add((i, j))
+            log.info("forwarding proof of equivocation part=%d to=%s group=%s", j, rnd.peer_ids[i],
+                     rnd.group.group_id.hex())
+            sends.append((i, [[frame] for frame in rnd.convicted[j]]))
+        for i, frames in sends:
+            task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))
             if isinstance(tasks, set):
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -501,8 +513,9 @@ class Averager:
         ``peer.allreduce_round``) or the agreement's deadline."""
         g = rnd.group
         rnd.agreeing = True
+        rnd.reported = rnd.digests()
         report = PartsHeld(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id,
-                           digests=rnd.digests())
+                           digests=rnd.reported)
         frames = [seal_parts(report, self.identity)]
         for i in range(rnd.n):
             if i != rnd.me and not rnd.dropped.get(i, "").startswith("unreachable"):

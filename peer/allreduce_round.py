@@ -16,10 +16,14 @@ Fed by the averager's stream handler with verified frames, read by ``Averager.al
 4. equivocation: a member that sees another report a digest of a part different from its own
    forwards that member its frames of the part, so each side ends up holding two different
    means signed by the reducer: proof (``protocol.evidence.equivocation``). A part so proven
-   (``convicted``) falls back on every member that holds the proof, and its reducer is banned.
-   Until a reported dispute is proven, or the agreement's deadline, a member does not finish:
-   honest members on both sides of a real equivocation hold the proof once their forwards
-   arrive, and one member's false report proves nothing, so everyone keeps the part.
+   (``convicted``) falls back on every member that holds the proof, its reducer is banned, and
+   the proof goes to every member that reported holding the part (``proof_wanted``). Until a
+   reported dispute is proven, or the agreement's deadline, a member does not finish: honest
+   members on both sides of a real equivocation hold the proof once their forwards arrive,
+   and one member's false report proves nothing, so everyone keeps the part. A proof that
+   the reports did not show (a second mean that reached one member late, or through a
+   colluder) may reach some members only: ``visible`` is then False for that part, and the
+   round is not ``settled``, so the node compares states after it.
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ class Round:
         # signed frames that failed a check and prove a lie (protocol.evidence): signer -> (key, why, frame)
         self.offences: dict[bytes, tuple[bytes, str, bytes | tuple[bytes, bytes]]] = {}
         self.convicted: dict[int, tuple[bytes, bytes]] = {}  # part -> two different means its reducer signed
+        self.reported: tuple[bytes, ...] = ()  # the digests our PartsHeld said (empty before we report)
+        self.proved: set[tuple[int, int]] = set()  # (member, part) we sent the proof of part's equivocation
         # pushes of our slice: sender -> [(offset, numel, payload)], and elements covered
         self.pushes: dict[int, list[tuple[int, int, Any]]] = {}
         self.pushed = [0] * self.n
@@ -168,12 +174,25 @@ class Round:
         dropped as late reported too (one whose slices all came late took part in no one's
         round, but it may still have landed parts: without its report we cannot tell)."""
         late = [i for i, why in self.dropped.items() if why.startswith(LATE)]
-        return self.agreed() and all(i in self.reports for i in late)
+        return (self.agreed() and all(i in self.reports for i in late)
+                and all(self.visible(j) for j in self.convicted))
+
+    def visible(self, j: int) -> bool:
+        """Whether the reports (ours as we sent it included) showed two means of part j: then
+        every member that got them waited for the proof of it."""
+        mine = self.reported[j] if self.reported else b""
+        return len({r[j] for r in self.reports.values() if r[j]} | ({mine} if mine else set())) > 1
 
     def wanted(self) -> list[int]:
         """Parts that we lack and another member reports holding."""
         return [j for j in range(self.n) if self.size(j) and not self.holds(j) and j not in self.convicted
                 and any(r[j] for r in self.reports.values())]
+
+    def proof_wanted(self) -> list[tuple[int, int]]:
+        """(member, part) pairs to send the proof of the part's equivocation to: every other
+        member that reported holding the part (it may hold either mean)."""
+        return [(i, j) for j in self.convicted for i, rep in self.reports.items()
+                if rep[j] and i != j and (i, j) not in self.proved]
 
     def forward_wanted(self) -> list[tuple[int, int]]:
         """(member, part) pairs to forward now: the member reported lacking a part we hold, or
@@ -258,12 +277,13 @@ class Round:
         if not self.agreeing:
             return  # unasked for
         if self.holds(j) or j in self.convicted:  # here already: the same mean, or proof of another
-            same = ((msg.offset, msg.numel, v.payload_digest) in self.mean_chunks.get(j, ())
-                    and tuple(msg.contributors) == self.contributors.get(j))
-            if not same:
-                self._check_equivocation(j, data, [f[0] for f in self.frames.get(j, ())])
+            held = [(o, n, self.contributors[j], d, f[0]) for (o, n, d), f in zip(self.mean_chunks[j], self.frames[j])
+                    ] if self.holds(j) else []
+            self._check_equivocation(j, msg, v.payload_digest, data, held)
             return
-        if self._check_equivocation(j, data, [c[2] for (p, _), cs in self.repairs.items() if p == j for c in cs]):
+        if self._check_equivocation(j, msg, v.payload_digest, data,
+                                    [(c[0], c[1], c[4], c[3], c[2]) for (p, _), cs in self.repairs.items() if p == j
+                                     for c in cs]):
             return
         self.bytes_received += nbytes
         chunks = self.repairs.setdefault((j, f), [])
@@ -284,12 +304,21 @@ class Round:
             self._take_repair(j, f)
         self.changed.set()
 
-    def _check_equivocation(self, j: int, data: bytes, ours: list[bytes]) -> bool:
-        """Whether ``data``, a frame of part j, and one of ``ours`` prove that j's reducer
-        signed two different means; if so the part is convicted and the proof kept."""
+    def _check_equivocation(self, j: int, msg: SliceAveraged, payload_digest: bytes, data: bytes,
+                            ours: list[tuple[int, int, tuple[int, ...], bytes, bytes]]) -> bool:
+        """Whether ``data`` (``msg``), a frame of part j, and one of ``ours`` (offset, numel,
+        contributors, payload digest, frame: each checked when it came) prove that j's reducer
+        signed two different means; if so the part is convicted and the proof kept. Frames are
+        compared by what ``part_digest`` covers first: the signatures are checked again only
+        for a pair that overlaps and differs."""
         if j in self.convicted:
             return True
-        for frame in ours:
+        what = (tuple(msg.contributors), payload_digest)
+        for offset, numel, contributors, pd, frame in ours:
+            if not (offset < msg.offset + msg.numel and msg.offset < offset + numel):
+                continue
+            if (offset, numel) == (msg.offset, msg.numel) and (tuple(contributors), pd) == what:
+                continue  # the same mean
             proven = equivocation(bytes(frame), bytes(data), self.group.run_id)
             if proven is None:
                 continue

@@ -78,7 +78,8 @@ class Bans:
         """Ban ``key`` with ``evidence`` (one signed frame, or the frames that together prove
         the lie; checked again here). -> False when it proves nothing against ``key`` or the
         key is banned already."""
-        frames = (evidence,) if isinstance(evidence, (bytes, bytearray)) else tuple(evidence)
+        frames = ((bytes(evidence),) if isinstance(evidence, (bytes, bytearray, memoryview))
+                  else tuple(bytes(f) for f in evidence))
         proven = proves(frames, self.run_id)
         if proven is None or proven[0] != key or key in self._bans:
             return False

@@ -51,7 +51,8 @@ def offence(frame: bytes, run_id: bytes) -> tuple[bytes, str] | None:
 def equivocation(frame_a: bytes, frame_b: bytes, run_id: bytes) -> tuple[bytes, str] | None:
     """(the reducer's key, what it did) if the two frames are ``SliceAveraged`` of run
     ``run_id``, both validly signed by one key, for the same fragment, round, group and part,
-    over overlapping element ranges, and not the same mean; None otherwise."""
+    over overlapping element ranges, and not the same mean (other contributors, or other
+    values: what a member's digest of the part covers); None otherwise."""
     try:
         a, b = (verify(f, expect=(SliceAveraged,), run_id=run_id, max_size=MAX_FRAME_BYTES) for f in (frame_a, frame_b))
     except RemoteProtocolError:
@@ -85,5 +86,6 @@ def _where(v: Verified) -> tuple:
 
 def _what(v: Verified) -> tuple:
     m = v.message
-    return (m.offset, m.numel, m.codec, m.dtype, tuple(m.shape), tuple(m.contributors), m.weight,  # type: ignore[attr-defined]
-            v.payload_digest)
+    # what a member's digest of the part covers (peer.allreduce_round.part_digest); the other
+    # fields are fixed by the group (codec, a flat float32 slice) or by the contributors (weight)
+    return (m.offset, m.numel, tuple(m.contributors), v.payload_digest)  # type: ignore[attr-defined]

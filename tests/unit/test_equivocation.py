@@ -4,6 +4,7 @@ their frames and fall back on the part alike (peer.allreduce_round), and the pro
 reducer across restarts (peer.bans). No network: frames go from one Round to another by hand."""
 
 import asyncio
+import dataclasses
 
 import torch
 
@@ -47,8 +48,11 @@ def test_two_different_signed_means_of_one_part_prove_equivocation():
     assert equivocation(mean(ONES), mean(TWOS, signer=KEYS[1]), RUN) is None
     assert equivocation(mean(ONES), mean(TWOS), b"\x06" * 20) is None
     assert equivocation(mean(ONES), mean(TWOS)[:-1] + b"\x00", RUN) is None
-    # the same values with other contributors is another mean too
+    # the same values with other contributors is another mean too; another weight alone is not
+    # (a member's digest of the part covers contributors and values: the weight follows from them)
     assert equivocation(mean(ONES), mean(ONES, contributors=(0, 1)), RUN) is not None
+    heavier = seal(dataclasses.replace(verify(mean(ONES)).message, weight=4.0000000001), KEYS[0])
+    assert equivocation(mean(ONES), heavier, RUN) is None
 
 
 def test_an_equivocation_ban_holds_after_a_restart(tmp_path):
@@ -103,6 +107,7 @@ def test_members_holding_different_means_exchange_them_and_both_fall_back_on_the
             for j in range(1, N):
                 hold(rnd, j, torch.full((10,), 3.0 + j))
             rnd.agreeing = True
+            rnd.reported = rnd.digests()  # as Averager._agree does when it sends the report
         ra, rb = report(a), report(b)
         deliver(a, rb)
         deliver(b, ra)
@@ -117,6 +122,9 @@ def test_members_holding_different_means_exchange_them_and_both_fall_back_on_the
             assert 0 in rnd.convicted and rnd.unproven() == []
             assert [o[0] for o in rnd.offences.values()] == [KEYS[0].public_key]
             assert proves(rnd.convicted[0], RUN)[0] == KEYS[0].public_key
+            assert rnd.visible(0)  # the reports showed it: every member waited for the proof
+        # the proof goes to every member that reported holding the part
+        assert a.proof_wanted() == [(2, 0)] and b.proof_wanted() == [(1, 0)]
 
     asyncio.run(run())
 
@@ -158,5 +166,36 @@ def test_a_member_that_lacked_the_part_gets_both_means_forwarded_and_falls_back_
         deliver(c, mean(TWOS), via=2)  # 2 forwards its own: another mean, signed by 0
         assert 0 in c.convicted and c.wanted() == [] and c.unproven() == []
         assert c.agreed()  # nothing left to wait for
+
+    asyncio.run(run())
+
+
+def test_a_proof_the_reports_did_not_show_is_passed_on_and_the_round_is_not_settled():
+    """The liar sent everyone ONES and signed TWOS for a colluder, who forwards it to member 1
+    alone after the reports (all showing ONES) went out. Member 1 convicts the reducer and
+    passes the proof on to the members that hold the part; as the others may have finished
+    already, its round is not settled: the node compares states after it."""
+    async def run():
+        a, c = member(1), member(3)
+        for rnd in (a, c):
+            deliver(rnd, mean(ONES))
+            for j in range(1, N):
+                hold(rnd, j, torch.full((10,), 3.0 + j))
+            rnd.agreeing = True
+            rnd.reported = rnd.digests()
+        for rnd, other in ((a, c), (c, a)):
+            deliver(rnd, report(other))
+        for rnd in (a, c):
+            deliver(rnd, report(member(0)))
+            # the colluder reports what the others hold
+            deliver(rnd, seal(PartsHeld(run_id=RUN, fragment=0, round=1, group_id=GID, digests=a.reported), KEYS[2]))
+        assert a.unproven() == [] and a.settled()
+        deliver(a, mean(TWOS), via=2)  # the colluder forwards the other mean, after the reports
+        assert 0 in a.convicted and not a.visible(0) and not a.settled()
+        assert sorted(a.proof_wanted()) == [(2, 0), (3, 0)]  # those that reported holding part 0
+        for frame in a.convicted[0]:  # what a sends as proof reaches member 3
+            deliver(c, frame, via=1)
+        assert 0 in c.convicted and not c.settled()
+        assert [o[0] for o in c.offences.values()] == [KEYS[0].public_key]
 
     asyncio.run(run())
