@@ -162,12 +162,7 @@ class Round:
         """Parts for which two members (we included) report different digests, not (yet)
         proven to be two means signed by the reducer."""
         mine = self.digests()
-        out = []
-        for j in range(self.n):
-            held = {r[j] for r in self.reports.values() if r[j]} | ({mine[j]} if mine[j] else set())
-            if len(held) > 1 and j not in self.convicted:
-                out.append(j)
-        return out
+        return [j for j in range(self.n) if j not in self.convicted and len(self._means_reported(j, mine[j])) > 1]
 
     def settled(self) -> bool:
         """What ``AllReduceOutcome.agreed`` says: the agreement completed, and every member we
@@ -180,8 +175,11 @@ class Round:
     def visible(self, j: int) -> bool:
         """Whether the reports (ours as we sent it included) showed two means of part j: then
         every member that got them waited for the proof of it."""
-        mine = self.reported[j] if self.reported else b""
-        return len({r[j] for r in self.reports.values() if r[j]} | ({mine} if mine else set())) > 1
+        return len(self._means_reported(j, self.reported[j] if self.reported else b"")) > 1
+
+    def _means_reported(self, j: int, mine: bytes) -> set[bytes]:
+        """The distinct digests of part j in the members' reports and ``mine`` (b"": none)."""
+        return {r[j] for r in self.reports.values() if r[j]} | ({mine} if mine else set())
 
     def wanted(self) -> list[int]:
         """Parts that we lack and another member reports holding."""

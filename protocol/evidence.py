@@ -10,8 +10,8 @@ dropped from that round, but proves nothing to others: it is never evidence, so 
 that is slow, or that saw another view of a group, is never banned.
 
 Equivocation (``equivocation``): two ``SliceAveraged`` frames signed by one reducer for the
-same part of the same group whose element ranges overlap but which differ (values,
-contributors or weight). An honest reducer computes a part once and sends the same signed
+same part of the same group whose element ranges overlap but which differ in what a member's
+digest of the part covers (values, or contributors). An honest reducer computes a part once and sends the same signed
 frames to every member (and the same again when it resends), so two such frames prove that it
 sent different means to different members. ``proves`` checks any evidence: one frame or two.
 """
