@@ -248,12 +248,14 @@ def vouchers_needed(others: int) -> int:
     return 2 if others >= 2 else 1
 
 
-def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2,
-                  trusted: frozenset[bytes] = frozenset()) -> tuple[bytes, list[bytes]] | None:
+def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2, trusted: frozenset[bytes] = frozenset(),
+                  tie_by_key: bool = False) -> tuple[bytes, list[bytes]] | None:
     """The state digest most peers vouch for, and its vouchers (public keys, sorted).
 
     ``vouches`` maps a peer's public key to the digest in its live heartbeat; empty digests are
-    ignored. Ties go to the smallest digest, so every joiner picks the same one. None unless at
+    ignored. Ties go to the smallest digest, so every joiner picks the same one; with
+    ``tie_by_key``, to the digest that the smallest key vouches for (the same winner among the
+    same peers whichever rounds their digests are compared at). None unless at
     least ``min_vouchers`` peers vouch for the winner, or one of them is ``trusted`` (the run's
     creator): one peer's word alone, which any key can give, never picks a state."""
     by_digest: dict[bytes, list[bytes]] = {}
@@ -262,7 +264,7 @@ def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2,
             by_digest.setdefault(bytes(d), []).append(bytes(key))
     if not by_digest:
         return None
-    best = min(by_digest, key=lambda d: (-len(by_digest[d]), d))
+    best = min(by_digest, key=lambda d: (-len(by_digest[d]), min(by_digest[d]) if tie_by_key else d))
     vouchers = sorted(by_digest[best])
     if len(vouchers) < min_vouchers and not trusted.intersection(vouchers):
         return None

@@ -48,6 +48,12 @@ any fragment, puts us back in step, and clears what we noted). Only the peer ahe
 waits; one behind cannot speed up, and is brought back in step by the node's repair (it
 downloads the majority's state at the swarm's next landing).
 
+Ahead of the sync (pipelined): the node calls ``form_group`` about ``formation_s()`` before
+the sync's start step (in inner steps at its own pace, ``peer.node.syncs._lead_steps``), with
+the weight the sync will carry, so the group is there when the pseudo-gradient is and the
+batch windows above cost no training time. Peers in step join at about the same time, as
+before; everything above holds unchanged, only earlier.
+
 Checked on read: signature, message type, run, fragment and round (the signed context), that
 the subkey is the signer, numel, codec and deadline against ours, that a group's leader is its
 first member and its ID is the hash of its members, and a join time not in the future beyond
@@ -91,6 +97,7 @@ SETTLE_FRACTION = 0.1  # of matchmaking_timeout_s, at most SETTLE_MAX_S: for lat
 SETTLE_MAX_S = 2.0
 JOIN_TTL_FACTOR = 2.0  # joins outlive every window they can be part of
 CLOCK_SKEW_S = 30.0
+FORMATION_MARGIN_S = 1.0  # for the DHT round trips of forming a group, on top of the windows
 
 
 def joins_key(run_id: bytes, fragment: int, round: int) -> str:
@@ -174,6 +181,12 @@ class Matchmaker:
         self.settle_s = min(SETTLE_FRACTION * t, SETTLE_MAX_S)
         self.join_ttl_s = JOIN_TTL_FACTOR * t
         self._alone: dict[int, tuple[int, float]] = {}  # fragment -> (round, our join time) we averaged alone
+
+    def formation_s(self) -> float:
+        """About how long ``form_group`` takes for peers that join together: the batch gap and
+        settle time, a follower's poll, and a margin for the DHT's reads and writes. A node
+        joins that long before a sync starts, so its group is there when its update is."""
+        return self.gap_s + self.settle_s + self.poll_s + FORMATION_MARGIN_S
 
     def _reject(self, writer: Any, kind: str, err: Exception) -> None:
         who = peer_id_from_public_key(writer) if isinstance(writer, bytes) and len(writer) == KEY_BYTES \

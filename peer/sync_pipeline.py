@@ -24,6 +24,18 @@ from protocol.fragments import SyncSchedule
 
 
 @dataclass(frozen=True)
+class Forming:
+    """A sync whose group forms ahead of its start step (pipelined matchmaking): the node
+    joined the round's matchmaking and will hand over its pseudo-gradient at ``starts_after``."""
+
+    fragment: int
+    round: int
+    joined_after: int  # the inner step after which it joined
+    starts_after: int  # the inner step after which its sync starts
+    handle: Any  # the caller's: the group on its way, the weight it joined with
+
+
+@dataclass(frozen=True)
 class InFlight:
     """One fragment sync between its start and its landing."""
 
@@ -47,35 +59,98 @@ class SyncPipeline:
     def __init__(self, schedule: SyncSchedule):
         self.schedule = schedule
         self._flight: dict[int, InFlight] = {}
+        self._forming: dict[int, Forming] = {}
+        self._started: dict[int, int] = {}  # fragment -> the latest round started (never started twice)
         self.closed = False  # finished or left: nothing starts any more
 
     def __len__(self) -> int:
         return len(self._flight)
 
     def __bool__(self) -> bool:
-        return bool(self._flight)
+        return bool(self._flight or self._forming)
 
     def __contains__(self, fragment: int) -> bool:
-        return fragment in self._flight
+        return fragment in self._flight or fragment in self._forming
+
+    def forming(self) -> list[Forming]:
+        return sorted(self._forming.values(), key=lambda f: (f.starts_after, f.fragment))
 
     def in_flight(self) -> list[InFlight]:
         return sorted(self._flight.values(), key=lambda s: (s.started_after, s.fragment))
 
-    def starts(self, step: int) -> list[tuple[int, int]]:
-        """(fragment, round) of the syncs that start after inner step ``step``."""
+    def joins(self, step: int, lead: int, before_round: int | None = None) -> list[tuple[int, int, int]]:
+        """(fragment, round, start step) of the syncs whose group should start forming after
+        inner step ``step``: those that start within ``lead`` steps. ``lead`` is capped so that
+        a fragment joins its next round only after its previous one has landed; 0 joins at
+        the start step itself (no pipelining). A node that stops after a known round (finish,
+        ``max_rounds``) passes ``before_round``, and no round from it on is joined."""
+        sched = self.schedule
+        lead = max(0, min(lead, sched.inner_steps - sched.overlap - 1))
+        if self.closed or lead == 0:
+            return []
+        out = []
+        for p in range(sched.fragments):
+            if p in self._flight or p in self._forming:
+                continue
+            at = sched.next_start(p, step + 1)
+            r = sched.round_of(p, at)
+            if at - lead <= step and r > self._started.get(p, -1) and (before_round is None or r < before_round):
+                out.append((p, r, at))
+        return out
+
+    def form(self, fragment: int, round_: int, step: int, starts_after: int, handle: Any) -> Forming:
+        if self.closed:
+            raise LocalProtocolError("the sync pipeline is closed (the node finished or left)")
+        if fragment in self:
+            raise LocalProtocolError(f"fragment {fragment} round {round_} forms while a round of it is under way")
+        f = Forming(fragment, round_, step, starts_after, handle)
+        self._forming[fragment] = f
+        return f
+
+    def starts(self, step: int) -> list[tuple[int, int, Forming | None]]:
+        """(fragment, round, its group forming or None) of the syncs that start after inner
+        step ``step``; a round already started (early, by a pause) is not started again."""
         if self.closed:
             return []
-        return [(p, self.schedule.round_of(p, step)) for p in self.schedule.starts_after(step)]
+        out = []
+        for p in self.schedule.starts_after(step):
+            r = self.schedule.round_of(p, step)
+            if r <= self._started.get(p, -1):
+                continue
+            f = self._forming.get(p)
+            if f is not None and f.round != r:
+                raise LocalProtocolError(f"fragment {p} formed round {f.round} but round {r} starts")
+            out.append((p, r, self._forming.pop(p, None)))
+        return out
+
+    def leave_forming(self, from_round: int) -> list[Forming]:
+        """Finishing after round ``from_round - 1``: remove and return the groups forming for
+        a round from ``from_round`` on (the caller leaves them), so that every finishing peer
+        stops after the same round whether or not it had joined the next one yet."""
+        out = [f for f in self.forming() if f.round >= from_round]
+        for f in out:
+            del self._forming[f.fragment]
+        return out
+
+    def take_forming(self) -> list[Forming]:
+        """Remove and return the syncs whose group is forming: a pause or a finish starts them
+        at once (the group counts on us), so their rounds are not started again later."""
+        out = self.forming()
+        self._forming.clear()
+        return out
 
     def start(self, fragment: int, round_: int, step: int, handle: Any) -> InFlight:
         if self.closed:
             raise LocalProtocolError("the sync pipeline is closed (the node finished or left)")
-        if fragment in self._flight:
-            old = self._flight[fragment]
+        if fragment in self._flight or fragment in self._forming:
+            old = self._flight.get(fragment) or self._forming[fragment]
             raise LocalProtocolError(f"fragment {fragment} round {round_} starts while its round {old.round} "
-                                     f"is still in flight (started after step {old.started_after})")
+                                     f"is still under way")
+        if round_ <= self._started.get(fragment, -1):
+            raise LocalProtocolError(f"fragment {fragment} round {round_} was started already")
         sync = InFlight(fragment, round_, step, step + self.schedule.overlap, handle)
         self._flight[fragment] = sync
+        self._started[fragment] = round_
         return sync
 
     def due(self, step: int) -> list[InFlight]:
@@ -87,23 +162,33 @@ class SyncPipeline:
 
     def drain(self) -> list[InFlight]:
         """Remove and return every sync in flight, oldest first: a pause or a finish lands
-        them now (contributed, not dropped)."""
+        them now (contributed, not dropped). Start what is forming first (``take_forming``)."""
+        if self._forming:
+            raise LocalProtocolError(f"drained with groups forming (fragments {sorted(self._forming)})")
         out = self.in_flight()
         self._flight.clear()
         return out
 
-    def abandon(self) -> list[InFlight]:
-        """Leaving: remove and return everything in flight (the caller cancels it), and close."""
+    def abandon(self) -> list[InFlight | Forming]:
+        """Leaving: remove and return everything under way (the caller cancels it), and close."""
         self.closed = True
-        return self.drain()
+        out: list[InFlight | Forming] = [*self.take_forming(), *self.in_flight()]
+        self._flight.clear()
+        return out
 
     def finish(self) -> list[InFlight]:
         """Finishing: everything in flight lands now, and nothing starts after it."""
         self.closed = True
         return self.drain()
 
-    def rebase(self) -> None:
-        """A downloaded state replaces the model (its step and rounds): allowed only with
-        nothing in flight, since a landing would apply a result to the replaced copy."""
+    def rebase(self, *, keep_forming: bool) -> list[Forming]:
+        """A downloaded state replaces the model: allowed only with nothing in flight, since a
+        landing would apply a result to the replaced copy. A repair (same rounds) keeps the
+        groups forming, which still want our next contribution; a fast-forward to later rounds
+        returns them, removed, for the caller to cancel."""
         if self._flight:
             raise LocalProtocolError(f"a state download with syncs in flight (fragments {sorted(self._flight)})")
+        if keep_forming:
+            return []
+        self._started.clear()  # the downloaded rounds say where each fragment is
+        return self.take_forming()

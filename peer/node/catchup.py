@@ -18,6 +18,9 @@ from protocol.identity import peer_id_from_public_key
 
 log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
 
+REPAIR_TRIES = 5  # checks at which a repair looks for donors at our rounds before it takes their next landing
+DIGEST_HISTORY = 16  # of our latest landings whose digests a repair compares peers' heartbeats with
+
 
 class CatchUpMixin:
     """Catch-up, repair and state download of ``peer.node.Node`` (a part of it)."""
@@ -54,29 +57,50 @@ class CatchUpMixin:
             return
         if joining and not ahead:
             self._caught_up = True  # nobody is ahead of us: we start in step with the swarm
-        if not (self.state_digest and self._repair_due):
+        self._harvest_published()
+        if not (self._digests and self._repair_due):
             return  # peers in other groups differ from us by design; their averages mix next rounds
-        same = {k: hb.state_digest for k, hb in peers.items()
-                if hb.state_digest and tuple(hb.rounds) == tuple(self.stats.rounds)}
-        same[self.identity.public_key] = self.state_digest
-        # the most vouched-for state wins; a tie goes to the smallest digest, the same choice on
-        # every peer, so two peers that each averaged alone converge on one of their states
-        if len(same) == 1:
-            return  # nobody's heartbeat shows our rounds yet: compare at a later check
-        choice = choose_digest(same, min_vouchers=1)
-        if choice is None or choice[0] == self.state_digest:
-            self._repair_due = False  # ours is the state to keep
-            return
-        ours = sum(1 for d in same.values() if d == self.state_digest)
+        # compare at rounds that peers' heartbeats show and that we passed since we went our own
+        # way (our digest then is in _digests): in a fast swarm two peers rarely show the same
+        # rounds at the same moment. The rounds most peers show win, then the latest
+        at: dict[tuple[int, ...], dict[bytes, bytes]] = {}
+        for k, hb in peers.items():
+            if hb.state_digest and tuple(hb.rounds) in self._digests:
+                at.setdefault(tuple(hb.rounds), {})[k] = hb.state_digest
+        if not at:
+            return  # nobody's heartbeat shows rounds we passed yet: compare at a later check
+        rounds = max(at, key=lambda r: (len(at[r]), sum(r)))
+        mine = self._digests[rounds]
+        same = {**at[rounds], self.identity.public_key: mine}
+        # the most vouched-for state wins; a tie goes to the state of the smallest key, the same
+        # choice on every peer whichever rounds each compares at, so two peers that each
+        # averaged alone converge on one of their states
+        choice = choose_digest(same, min_vouchers=1, tie_by_key=True)
         self._repair_due = False
-        if len(choice[1]) >= ours:
+        if choice is None or choice[0] == mine:
+            return  # ours is the state to keep
+        ours = sum(1 for d in same.values() if d == mine)
+        if len(choice[1]) < ours:
+            return
+        if self._repair_tries == 0:
             log.warning("global state differs from %d peers at rounds %s; downloading theirs",
-                        len(choice[1]), self.stats.rounds)
-            # fast-forward: take their next landing and start right before their next sync, so
-            # we are back in step with them in time too, not only in state. One voucher (two
-            # peers that each averaged alone) is enough here only because the state must then be
-            # near ours (globalstate.check_distance): a liar cannot move us far
-            self._download(swarm, choice[1], peers, fast_forward=True, min_donors=1)
+                        len(choice[1]), list(rounds))
+        # take their state as it is at our rounds and keep our step and our groups forming: a
+        # repair that waited for their next landing would miss the groups they form meanwhile
+        # (pipelined matchmaking), average alone and need the next repair. One voucher (two
+        # peers that each averaged alone) is enough here only because the state must then be
+        # near ours (globalstate.check_distance): a liar cannot move us far
+        if self._download(swarm, choice[1], peers, fast_forward=False, min_donors=1,
+                          at_rounds=tuple(self.stats.rounds)):
+            self._repair_tries = 0
+            return
+        self._repair_tries += 1
+        if self._repair_tries < REPAIR_TRIES:
+            self._repair_due = True  # they serve other rounds than ours at this moment: at the next check
+            return
+        # out of step with them for that long: take their next landing, start before their next sync
+        self._repair_tries = 0
+        self._download(swarm, choice[1], peers, fast_forward=True, min_donors=1)
 
     def _current_state(self, swarm, donors: list[str], newer_than: tuple[int, ...] | None = None,
                        wait_s: float = 0.0, min_donors: int = 2) -> tuple[bytes, list[str], tuple[int, ...]]:
@@ -111,11 +135,19 @@ class CatchUpMixin:
                 raise StateSyncError("stopped")
 
     def _download(self, swarm, vouchers: list[bytes], peers: dict, *, fast_forward: bool,
-                  min_donors: int = 2) -> None:
+                  min_donors: int = 2, at_rounds: tuple[int, ...] | None = None) -> bool:
         """Download the global state that the most of ``vouchers`` serve now and load it. To catch
         up (``fast_forward``), take the state of the swarm's *next* landing: the swarm is already
         matching peers for the round in flight, and a state from before it would always leave us
-        one round late. We idle for at most one round, then start in step with everyone."""
+        one round late. We idle for at most one round, then start in step with everyone. With
+        ``at_rounds`` (a repair), only a state at those rounds is taken; False (nothing changed)
+        if the donors serve other rounds at this moment, or the download failed."""
+        if fast_forward and self._pipeline is not None and self._pipeline.forming():
+            # we wait below for the swarm's next landing, and a group formed ahead with us in
+            # it cannot land without our part: contribute it now (as a pause does), then wait
+            self._start_forming_now(self._pipeline)
+            for sync in self._pipeline.drain():
+                self._land(sync, swarm)
         worker = self.worker
         previous = self.state
         self.state = "syncing"
@@ -123,6 +155,10 @@ class CatchUpMixin:
         try:
             donors = [peer_id_from_public_key(v) for v in vouchers]
             digest, serving, rounds = self._current_state(swarm, donors, min_donors=min_donors)
+            if at_rounds is not None and rounds != at_rounds:
+                log.info("donors serve rounds %s, not ours (%s): not downloading now", list(rounds), list(at_rounds))
+                self.state = previous
+                return False
             if fast_forward:
                 digest, serving, rounds = self._current_state(
                     swarm, serving, newer_than=rounds, wait_s=swarm.matchmaking_timeout_s + swarm.allreduce_timeout_s,
@@ -142,7 +178,7 @@ class CatchUpMixin:
         except (StateSyncError, NetworkError) as e:
             log.warning("state sync failed reason=%s; training from round %s", e, self.stats.rounds)
             self.state = previous if previous != "joining" else "training"
-            return
+            return False
         finally:
             self._progress = None
         if fast_forward:
@@ -153,11 +189,16 @@ class CatchUpMixin:
                 log.warning("dropped %d local inner steps trained since our last contribution: the run moved on "
                             "to rounds %s while we were away", dropped, list(state.rounds))
                 self.ledger.record_dropped(dropped)
-        if self._pipeline is not None:
-            self._pipeline.rebase()  # refuses with syncs in flight: a landing would apply to the replaced copy
+        if self._pipeline is not None:  # refuses with syncs in flight: a landing would apply to the replaced copy
+            for f in self._pipeline.rebase(keep_forming=not fast_forward):
+                f.handle[0].cancel()  # a round we are past now; its group drops us at its deadline
+                log.info("left the forming group of fragment %d round %d: the download moved us past it",
+                         f.fragment, f.round)
         apply(worker, state)
         self.stats.rounds = list(state.rounds)
-        self.state_digest = digest
+        self._new_lineage()
+        self.state_digest, self.state_rounds = digest, tuple(state.rounds)
+        self._digests[self.state_rounds] = digest
         self._caught_up, self._repair_due = True, False
         if fast_forward:
             # the donors just landed this state and train toward the next sync its rounds imply:
@@ -171,6 +212,7 @@ class CatchUpMixin:
         self.state = previous if previous != "joining" else "training"
         self.on_event({"event": "state_synced", "rounds": list(state.rounds), "step": worker.step,
                        "seconds": round(time.perf_counter() - t0, 3)})
+        return True
 
     def _publish_state(self, worker: Worker) -> None:
         """Serve the global state as of this landing and vouch for it. Peers that averaged in the
@@ -178,4 +220,27 @@ class CatchUpMixin:
         (and digests) at each landing; a joiner gets the swarm's newest state, not the last
         full round's."""
         state = snapshot(worker, self.stats.rounds)
-        self._publishing = self.net.submit(self.state_server.publish(state))
+        self._publishing = (tuple(self.stats.rounds), self._lineage, self.net.submit(self.state_server.publish(state)))
+
+    def _new_lineage(self) -> None:
+        """Our copy left the one our past digests describe (a lone landing, a download):
+        forget them, also those of a publish still under way."""
+        self._lineage += 1
+        self._digests.clear()
+
+    def _harvest_published(self) -> None:
+        """Take the digest of the state we published last, once it is served."""
+        if self._publishing is None or not self._publishing[2].done():
+            return
+        rounds, lineage, fut = self._publishing
+        self._publishing = None
+        try:
+            digest = fut.result()
+        except Exception as e:
+            log.warning("could not serve the global state reason=%r", e)
+            return
+        self.state_digest, self.state_rounds = digest, rounds
+        if lineage == self._lineage:
+            self._digests[rounds] = digest
+            while len(self._digests) > DIGEST_HISTORY:
+                del self._digests[next(iter(self._digests))]

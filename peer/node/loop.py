@@ -54,7 +54,7 @@ from peer.presence import Presence
 from peer.ratelimit import RateLimiter
 from peer.settings_store import load_settings
 from peer.statesync import StateServer
-from peer.sync_pipeline import SyncPipeline
+from peer.sync_pipeline import InFlight, SyncPipeline
 from peer.worker import Worker
 from protocol.manifest import SignedManifest, open_manifest
 from protocol.messages import Message
@@ -149,9 +149,15 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             self.bans.load()
             self.averager.banned = self.bans.peer_ids  # one set: a ban holds from the next round on
             self.state_digest = b""
-            self._publishing = None
+            self.state_rounds: tuple[int, ...] = ()  # the rounds state_digest is at
+            self._publishing = None  # (rounds, lineage, future) of the state being published
+            # our digest at each of our latest landings since the last lone one or download
+            # (same lineage), to compare with peers' heartbeats at whichever rounds they show
+            self._digests: dict[tuple[int, ...], bytes] = {}
+            self._lineage = 0
             self._alone_this_round = False  # averaged alone since our last full round
             self._repair_due = False  # the last full round had a lone sync: compare with the majority
+            self._repair_tries = 0  # checks at which the donors of a due repair were not at our rounds
             self._trusted = frozenset({self.signed.manifest.creator})  # its word on the state is enough alone
             self._refused_claims: set[bytes] = set()  # state digests claimed ahead by too few peers
             self._caught_up = False  # joined the swarm's state (or found nobody ahead); until then lag 1
@@ -212,6 +218,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
     def _pause(self, pipeline: SyncPipeline, swarm) -> None:
         """Land what is in flight (contributed, never dropped), release the accelerator, and
         stay announced as paused until resumed or stopped; then rebuild and catch up."""
+        self._start_forming_now(pipeline)
         for sync in pipeline.drain():
             self._land(sync, swarm)
         self._release_worker()
@@ -249,6 +256,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
         pipeline = self._pipeline = SyncPipeline(worker.schedule)
         last_beat = last_ckpt = 0.0
         finish_at: int | None = None
+        last_round = self.cfg.max_rounds  # the round count we stop at (finish or max_rounds), if any
         t_start = self._loop_t0 = time.perf_counter()
         self.state = "training"
         while not self.stop_event.is_set():
@@ -258,6 +266,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
                 finish_at = min(self.stats.rounds) + 1
                 self.state = "finishing"
                 log.info("finishing: stopping after round %d", finish_at - 1)
+            last_round = min((r for r in (finish_at, self.cfg.max_rounds) if r is not None), default=None)
             reason = self._pause_wanted() if finish_at is None else ""
             if reason:
                 self._pause_reason = reason
@@ -286,10 +295,10 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
                 ev = LossMeasured(at=time.time(), step=step, split="train", loss=max(0.0, min(loss, 1e9)))
                 self._loss_history.append(ev)
                 self._emit(ev)
-            for p, r in pipeline.starts(step):
+            for p, r, forming in pipeline.starts(step):
                 delta, weight = worker.begin_sync(p)
                 self._sync_started_at[p] = step
-                pipeline.start(p, r, step, (self.net.submit(self._average(p, r, delta, weight)), delta, weight))
+                pipeline.start(p, r, step, self._submit_sync(p, r, delta, weight, forming))
                 if self.state == "training":
                     self.state = "averaging"
             for sync in pipeline.due(step):  # what is in flight decides, so a sync landed early by a pause is gone
@@ -300,14 +309,21 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
                     if time.monotonic() - last_ckpt >= self.cfg.checkpoint_every_s:
                         last_ckpt = time.monotonic()
                         self._save()
-            if not pipeline and self.state == "averaging":
+            # pipelined matchmaking: join the groups of the syncs that start within the time a
+            # group takes to form, so the group is there when the pseudo-gradient is
+            for p, r, at in pipeline.joins(step, self._lead_steps(), before_round=last_round):
+                # the weight it will carry, capped as begin_sync caps it (more than H steps' worth
+                # only after a round started early by a pause)
+                planned = min(worker.tokens_since_sync[p] + tokens * (at - step), train.max_sync_tokens())
+                pipeline.form(p, r, step, at, self._submit_forming(p, r, planned))
+            if not pipeline.in_flight() and self.state == "averaging":
                 self.state = "training"
             now = time.monotonic()
             if now - last_beat >= swarm.heartbeat_interval_s:
                 last_beat = now
                 self._beat(swarm)
                 self._refresh_peers(swarm)
-                if not pipeline:  # between rounds: nothing of ours is in flight
+                if not pipeline.in_flight():  # between rounds: nothing of ours is in flight
                     self._check_agreement(swarm)
                     worker = self.worker
                 self.stats.checks_s += time.monotonic() - now  # the loop waited on the swarm for all of it
@@ -316,11 +332,22 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             if finish_at is not None and min(self.stats.rounds) >= finish_at:
                 break
         self.state = "leaving" if self._leave_requested else "finishing"
-        if self._leave_requested:  # leave now: the rounds in flight are abandoned, and we say so
+        if self._leave_requested:  # leave now: the rounds under way are abandoned, and we say so
             for sync in pipeline.abandon():
                 sync.handle[0].cancel()
-                log.warning("left the run: the sync of fragment %d round %d was abandoned", sync.fragment, sync.round)
-                self.ledger.record_sync(0, acknowledged=False)
+                if isinstance(sync, InFlight):  # a group still forming had nothing of ours yet
+                    log.warning("left the run: the sync of fragment %d round %d was abandoned",
+                                sync.fragment, sync.round)
+                    self.ledger.record_sync(0, acknowledged=False)
+        if last_round is not None and min(self.stats.rounds) >= last_round:
+            # finished (or max_rounds): a group forming for a later round is left, not started
+            # early; started early, a round that only some finishing peers had joined would land
+            # on some copies and not on others. Its other members drop us at its deadline.
+            for f in pipeline.leave_forming(last_round):
+                f.handle[0].cancel()
+                log.info("left the forming group of fragment %d round %d: we stop after round %d",
+                         f.fragment, f.round, last_round - 1)
+        self._start_forming_now(pipeline)  # stopped mid-round: a group formed with us counts on our part
         for sync in pipeline.finish():  # contribute what was started; never drop it silently
             self._land(sync, swarm)
         worker = self.worker

@@ -93,12 +93,7 @@ class PeersMixin:
                     self.cfg.min_peers_wait_s)
 
     def _beat(self, swarm) -> None:
-        if self._publishing is not None and self._publishing.done():
-            try:
-                self.state_digest = self._publishing.result()
-            except Exception as e:
-                log.warning("could not serve the global state reason=%r", e)
-            self._publishing = None
+        self._harvest_published()
         now = time.time()
         w = self.worker
         step = w.step if w else self._last_step()
@@ -110,8 +105,10 @@ class PeersMixin:
                             else self.net.visible_maddrs())
         except Exception as e:
             log.info("could not read our addresses reason=%r", e)
+        # the rounds our vouched-for digest is at (a publish may still be under way for the latest)
+        rounds = self.state_rounds if self.state_digest else tuple(self.stats.rounds)
         hb = Heartbeat(run_id=self.run_id, sent_at=now, state=self.state, step=step,
-                       tokens=self.ledger.credit.tokens_trained, tokens_per_s=tput, rounds=tuple(self.stats.rounds),
+                       tokens=self.ledger.credit.tokens_trained, tokens_per_s=tput, rounds=rounds,
                        state_digest=self.state_digest, reachable=self.reachability() == "direct",
                        maddrs=tuple(self._maddrs)[:8], client=f"swarmstream/{__version__}",
                        device=self._device_name() or "none")

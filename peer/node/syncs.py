@@ -7,16 +7,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import os
 import signal
+import statistics
 import time
+from typing import Any
 
 import torch
 
 from peer.node.config import (
     _fault_due,
 )
-from peer.sync_pipeline import InFlight
+from peer.sync_pipeline import Forming, InFlight
 from protocol.butterfly import slice_bounds
 from protocol.messages_control import (
     FragmentSynced,
@@ -29,15 +32,59 @@ log = logging.getLogger("peer.node")  # one logger name for the whole node, also
 class SyncMixin:
     """Averaging and landing of ``peer.node.Node`` (a part of it)."""
 
-    async def _average(self, fragment: int, round_: int, delta: torch.Tensor, weight: float):
-        """Form a group for (fragment, round) and all-reduce; None means average alone."""
+    def _lead_steps(self) -> int:
+        """How many inner steps before a sync's start its group should start forming: the time
+        matchmaking takes, in steps at our recent pace (0 until we know it: join at the start)."""
+        times = self.stats.step_times
+        if len(times) < 5:
+            return 0
+        step_s = max(statistics.median(times), 1e-3)
+        return math.ceil(self.matchmaker.formation_s() / step_s)
+
+    def _submit_forming(self, fragment: int, round_: int, weight: float) -> tuple[Any, float]:
+        """Join (fragment, round)'s matchmaking now, ahead of its start: -> (the group's future, weight)."""
+        numel = self.worker.outer[fragment].global_flat.numel()
+        return self.net.submit(self._form_group(fragment, round_, float(weight), numel)), float(weight)
+
+    def _submit_sync(self, fragment: int, round_: int, delta: torch.Tensor, weight: int,
+                     forming: Forming | None) -> tuple[Any, torch.Tensor, int]:
+        """Hand the pseudo-gradient to the network thread: into the group formed ahead if there
+        is one (the weight it joined with is the one the group carries), else form it now."""
+        if forming is None:
+            fut = self.net.submit(self._average(fragment, round_, delta, float(weight)))
+        else:
+            group_fut, planned = forming.handle
+            fut = self.net.submit(self._average(fragment, round_, delta, planned, group=group_fut))
+        return fut, delta, weight
+
+    def _start_forming_now(self, pipeline) -> None:
+        """Pause or finish with groups forming: they count on our part, so the syncs start now
+        with what we trained so far (their rounds are not started again later)."""
+        for f in pipeline.take_forming():
+            delta, weight = self.worker.begin_sync(f.fragment)
+            self._sync_started_at[f.fragment] = self.worker.step
+            pipeline.start(f.fragment, f.round, self.worker.step,
+                           self._submit_sync(f.fragment, f.round, delta, weight, f))
+            log.info("started fragment %d round %d early (pause or finish): its group was forming",
+                     f.fragment, f.round)
+
+    async def _form_group(self, fragment: int, round_: int, weight: float, numel: int):
         codec = self.signed.manifest.train.sync.codec
-        delay = await self.matchmaker.align_delay(fragment, round_, delta.numel())
+        delay = await self.matchmaker.align_delay(fragment, round_, numel)
         if delay > 0:  # we are ahead of peers we missed last round: meet them this time
             log.info("waiting to meet peers that reach this round later fragment=%d round=%d delay_s=%.2f",
                      fragment, round_, delay)
             await asyncio.sleep(delay)
-        group = await self.matchmaker.form_group(fragment, round_, float(weight), delta.numel(), codec)
+        return await self.matchmaker.form_group(fragment, round_, weight, numel, codec)
+
+    async def _average(self, fragment: int, round_: int, delta: torch.Tensor, weight: float, *,
+                       group: Any = None):
+        """All-reduce in our group for (fragment, round): the one formed ahead (a future), or
+        one formed now; None means average alone."""
+        if group is None:
+            group = await self._form_group(fragment, round_, float(weight), delta.numel())
+        else:
+            group = await asyncio.wrap_future(group)
         if group is None:
             return None
         if _fault_due(fragment, round_):  # tests: vanish mid-round, as with kill -9
@@ -73,6 +120,7 @@ class SyncMixin:
         if outcome is None:
             self.stats.syncs_alone += 1
             self._alone_this_round = True
+            self._new_lineage()
             avg = delta
             self._remember(FragmentSyncFailed(at=time.time(), fragment=fragment, round=round_, reason=reason[:256]))
         else:
@@ -82,6 +130,7 @@ class SyncMixin:
                     self.bans.add(key, why, frame)
             if not outcome.agreed:  # a member that took part never reported, or a reducer sent two
                 self._alone_this_round = True  # means: the members may land different averages: compare after
+                self._new_lineage()
             self.stats.bytes_sent += outcome.bytes_sent
             self.stats.bytes_received += outcome.bytes_received
             self.stats.dropped_peers += len(outcome.dropped)

@@ -95,7 +95,8 @@ def test_pause_releases_the_model_resume_catches_up_and_stop_finishes_the_round(
 def test_after_a_short_pause_the_peers_fall_back_in_step_and_agree_again(demos):
     """A pause too short for the run to move on leaves the peer out of phase: both average
     alone for a round, then the one ahead waits to meet the other, and the tie between their
-    two lone states goes to the same one on both (repair), so the copies agree again."""
+    two lone states goes to the same one on both (repair), so the copies agree again: both
+    land the same global copy of every fragment at one round, averaging together."""
     workdir = Path(tempfile.mkdtemp(prefix="ss-ctl-", dir="/tmp"))
     events = Events()
     demo = Demo(2, rounds=None, workdir=workdir, on_event=events)
@@ -108,16 +109,20 @@ def test_after_a_short_pause_the_peers_fall_back_in_step_and_agree_again(demos):
     call(sock, ResumeTraining)
     start = len(events.drain())
     # out of phase now (unless the pause was short enough to land in the same batch); within a
-    # few rounds both average together again, two rounds running
+    # few rounds both average together again and a repair leaves them one copy
     deadline = time.monotonic() + 180
 
-    def together(peer):
-        rounds = [ev["round"] for i, ev in events.seen[start:]
-                  if i == peer and ev.get("event") == "synced" and ev["fragment"] == 1 and not ev["alone"]]
-        return any(r + 1 in rounds for r in rounds)
+    def agreed() -> bool:
+        landed: dict[int, dict[tuple[int, int], tuple[str, bool]]] = {0: {}, 1: {}}
+        for i, ev in events.seen[start:]:
+            if ev.get("event") == "synced":
+                landed[i][(ev["fragment"], ev["round"])] = (ev["digest"], ev["alone"])
+        rounds = {r for _, r in landed[0]} & {r for _, r in landed[1]}
+        return any(all((f, r) in landed[0] and (f, r) in landed[1] and landed[0][(f, r)] == landed[1][(f, r)]
+                       and not landed[0][(f, r)][1] for f in (0, 1)) for r in rounds)
 
-    while not (together(0) and together(1)):
-        assert time.monotonic() < deadline, f"not back in step; last events {events.seen[-4:]}"
+    while not agreed():
+        assert time.monotonic() < deadline, f"no round landed as one copy on both; last events {events.seen[-4:]}"
         events.wait_for(lambda i, ev: ev.get("event") == "synced", timeout=max(1.0, deadline - time.monotonic()))
     for i in (0, 1):
         call(demo.control_path(i), FinishAndStop)

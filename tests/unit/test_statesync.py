@@ -177,3 +177,13 @@ def test_a_state_near_ours_passes_the_distance_check_and_a_far_one_does_not():
     check_distance(w, far_ahead, rounds)  # 50 rounds ahead: only two vouching donors can tell
     fresh = Worker(CFG)  # never stepped: nothing to judge against
     check_distance(fresh, zeros, rounds)
+
+
+def test_a_repair_tie_goes_to_the_smallest_keys_state_whatever_the_digests():
+    """Two peers that each averaged alone compare their digests at whichever rounds the other's
+    heartbeat shows; a tie by digest could pick A's state at one rounds and B's at the next, so
+    that both (or neither) download. By key, both pick A's, at any rounds."""
+    assert choose_digest({A: Y, B: X}, 1, tie_by_key=True) == (Y, [A])
+    assert choose_digest({A: X, B: Y}, 1, tie_by_key=True) == (X, [A])
+    assert choose_digest({A: Y, B: X}, 1) == (X, [B])  # a joiner's choice: by digest
+    assert choose_digest({A: Y, B: X, C: X}, 1, tie_by_key=True) == (X, [B, C])  # the most vouched-for first

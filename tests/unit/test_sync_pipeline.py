@@ -18,11 +18,11 @@ def test_a_pause_between_start_and_landing_then_resume_lands_each_sync_once():
     once, and after the resume its landing step (3) came and the node looked it up again."""
     pipe = SyncPipeline(SyncSchedule(inner_steps=4, fragments=2, overlap=1))
     assert pipe.starts(1) == []
-    assert pipe.starts(2) == [(0, 0)]
+    assert pipe.starts(2) == [(0, 0, None)]
     pipe.start(0, 0, 2, "h0")
     assert [s.handle for s in pipe.drain()] == ["h0"]  # the pause lands it now
     assert pipe.due(3) == []  # its landing step: nothing to land, no crash
-    assert pipe.starts(4) == [(1, 0)]
+    assert pipe.starts(4) == [(1, 0, None)]
     pipe.start(1, 0, 4, "h1")
     assert pipe.due(4) == []
     assert [(s.fragment, s.round) for s in pipe.due(5)] == [(1, 0)]
@@ -32,11 +32,11 @@ def test_a_download_with_syncs_in_flight_and_a_second_round_of_a_fragment_in_fli
     pipe = SyncPipeline(SyncSchedule(inner_steps=4, fragments=1, overlap=2))
     pipe.start(0, 0, 4, None)
     with pytest.raises(LocalProtocolError, match="in flight"):
-        pipe.rebase()
-    with pytest.raises(LocalProtocolError, match="still in flight"):
+        pipe.rebase(keep_forming=True)
+    with pytest.raises(LocalProtocolError, match="under way"):
         pipe.start(0, 1, 8, None)
     pipe.drain()
-    pipe.rebase()
+    assert pipe.rebase(keep_forming=False) == []
 
 
 def test_finish_lands_what_is_in_flight_and_nothing_starts_after_it():
@@ -48,6 +48,48 @@ def test_finish_lands_what_is_in_flight_and_nothing_starts_after_it():
         pipe.start(1, 0, 4, "b")
 
 
+def test_a_group_forms_ahead_and_the_sync_starts_into_it_and_a_pause_starts_it_early_once():
+    sched = SyncSchedule(inner_steps=20, fragments=2, overlap=1)  # fragment 0 starts after 10, 30, ...
+    pipe = SyncPipeline(sched)
+    assert pipe.joins(5, lead=0) == []  # no pace known yet: join at the start step
+    assert pipe.joins(5, lead=4) == []  # too early
+    assert pipe.joins(6, lead=4) == [(0, 0, 10)]
+    pipe.form(0, 0, 6, 10, "g0")
+    assert pipe.joins(7, lead=4) == []  # forming already
+    assert [(p, r, f.handle) for p, r, f in pipe.starts(10)] == [(0, 0, "g0")]
+    pipe.start(0, 0, 10, "s0")
+    assert [s.handle for s in pipe.due(11)] == ["s0"]
+    # the lead is capped so a fragment joins its next round only after its last one landed
+    assert pipe.joins(11, lead=100) == [(1, 0, 20)] and pipe.joins(11, lead=18) == [(1, 0, 20)]
+    pipe.form(1, 0, 11, 20, "g1")
+    # a pause while fragment 1's group forms: it starts now, and its round is not started again
+    (f,) = pipe.take_forming()
+    pipe.start(f.fragment, f.round, 12, "early")
+    assert [s.handle for s in pipe.drain()] == ["early"]
+    assert pipe.starts(20) == []
+    assert pipe.joins(21, lead=10) == [(0, 1, 30)]
+
+
+def test_a_finishing_node_joins_no_round_past_its_last_and_leaves_those_it_had_joined():
+    pipe = SyncPipeline(SyncSchedule(inner_steps=20, fragments=2, overlap=1))
+    assert pipe.joins(6, lead=4, before_round=0) == []  # stops after round -1: joins nothing
+    assert pipe.joins(6, lead=4, before_round=1) == [(0, 0, 10)]
+    pipe.form(0, 0, 6, 10, "g0")
+    pipe.form(1, 0, 6, 20, "g1")
+    assert pipe.leave_forming(1) == []  # round 0 is before the last round: kept, started at finish
+    assert [f.handle for f in pipe.leave_forming(0)] == ["g0", "g1"] and not pipe
+
+
+def test_a_fast_forward_download_returns_the_forming_groups_and_a_repair_keeps_them():
+    pipe = SyncPipeline(SyncSchedule(inner_steps=20, fragments=2, overlap=1))
+    pipe.form(0, 0, 6, 10, "g0")
+    assert pipe.rebase(keep_forming=True) == [] and 0 in pipe
+    assert [f.handle for f in pipe.rebase(keep_forming=False)] == ["g0"] and not pipe
+    pipe.form(0, 0, 7, 10, "g0")
+    with pytest.raises(LocalProtocolError, match="forming"):
+        pipe.drain()
+
+
 class Pipeline(RuleBasedStateMachine):
     """A node's life, driven at random: what the node loop does with the pipeline at each event."""
 
@@ -57,6 +99,7 @@ class Pipeline(RuleBasedStateMachine):
         self.step = 0
         self.paused = False
         self.started: dict[int, tuple[int, int, int]] = {}  # id -> (fragment, round, landing step)
+        self.rounds_started: set[tuple[int, int]] = set()
         self.ended: dict[int, str] = {}  # id -> how it ended: landed, drained, abandoned
         self.next_id = 0
 
@@ -73,23 +116,38 @@ class Pipeline(RuleBasedStateMachine):
             assert s.handle not in self.ended, f"sync {s.handle} ended twice"
             self.ended[s.handle] = how
 
-    @rule()
+    def _start(self, p: int, r: int) -> None:
+        assert (p, r) not in self.rounds_started, f"fragment {p} round {r} started twice"
+        self.rounds_started.add((p, r))
+        self.pipe.start(p, r, self.step, self.next_id)
+        self.started[self.next_id] = (p, r, self.step + self.schedule.overlap)
+        self.next_id += 1
+
+    def _start_forming_now(self) -> None:
+        for f in self.pipe.take_forming():
+            assert f.starts_after > self.step
+            self._start(f.fragment, f.round)
+
+    @rule(lead=st.integers(0, 15))
     @precondition(lambda self: self.pipe is not None and not self.paused and not self.pipe.closed)
-    def inner_step(self):
+    def inner_step(self, lead):
         self.step += 1
-        for p, r in self.pipe.starts(self.step):
+        for p, r, forming in self.pipe.starts(self.step):
             assert p not in self.pipe  # tau < H/P: a fragment's round ends before its next starts
-            self.pipe.start(p, r, self.step, self.next_id)
-            self.started[self.next_id] = (p, r, self.step + self.schedule.overlap)
-            self.next_id += 1
+            assert forming is None or (forming.round, forming.starts_after) == (r, self.step)
+            self._start(p, r)
         due = self.pipe.due(self.step)
         for s in due:
             assert s.lands_after <= self.step and self.started[s.handle][2] == s.lands_after
         self._land(due, "landed")
+        for p, r, at in self.pipe.joins(self.step, lead):
+            assert self.step < at <= self.step + lead and (p, r) not in self.rounds_started
+            self.pipe.form(p, r, self.step, at, ("forming", p, r))
 
     @rule()
     @precondition(lambda self: self.pipe is not None and not self.paused and not self.pipe.closed)
     def pause(self):
+        self._start_forming_now()
         self._land(self.pipe.drain(), "drained")
         self.paused = True
 
@@ -98,26 +156,36 @@ class Pipeline(RuleBasedStateMachine):
     def resume(self):
         self.paused = False
 
-    @rule(to=st.integers(0, 60))
+    @rule(to=st.integers(0, 60), fast_forward=st.booleans())
     @precondition(lambda self: self.pipe is not None and not self.pipe.closed)
-    def download(self, to):
-        """A state download: the node does it only between rounds (nothing in flight) or paused."""
-        if self.pipe:
+    def download(self, to, fast_forward):
+        """A state download: the node does it only with nothing in flight (groups may be forming)."""
+        if self.pipe.in_flight():
             with pytest.raises(LocalProtocolError):
-                self.pipe.rebase()
+                self.pipe.rebase(keep_forming=not fast_forward)
             return
-        self.pipe.rebase()
+        forming = self.pipe.forming()
+        dropped = self.pipe.rebase(keep_forming=not fast_forward)
+        if not fast_forward:
+            assert dropped == [] and self.pipe.forming() == forming
+            return
+        assert dropped == forming and not self.pipe
+        self.rounds_started = set()  # the downloaded rounds say where each fragment is
         self.step = max(self.step, to)
 
-    @rule()
+    @rule(stop=st.one_of(st.none(), st.integers(0, 8)))
     @precondition(lambda self: self.pipe is not None and not self.pipe.closed)
-    def finish(self):
+    def finish(self, stop):
+        if stop is not None:  # finishing after a known round: later groups forming are left
+            left = self.pipe.leave_forming(stop)
+            assert all(f.round >= stop for f in left) and all(f.round < stop for f in self.pipe.forming())
+        self._start_forming_now()
         self._land(self.pipe.finish(), "drained")
 
     @rule()
     @precondition(lambda self: self.pipe is not None and not self.pipe.closed)
     def leave(self):
-        self._land(self.pipe.abandon(), "abandoned")
+        self._land([s for s in self.pipe.abandon() if not isinstance(s.handle, tuple)], "abandoned")
 
     @rule(later=st.integers(1, 40))
     @precondition(lambda self: self.pipe is not None and self.pipe.closed)
@@ -135,6 +203,7 @@ class Pipeline(RuleBasedStateMachine):
         fragments = [s.fragment for s in self.pipe.in_flight()]
         assert len(fragments) == len(set(fragments))
         assert all(s.lands_after > self.step for s in self.pipe.in_flight())  # nothing overdue is kept
+        assert all(f.starts_after > self.step for f in self.pipe.forming())  # nothing forms for a past start
         if self.pipe.closed or self.paused:
             assert not self.pipe
 
