@@ -31,9 +31,11 @@ Per (N, tau, link) it prints and writes (JSON, with the machine and the commit):
 
 The run: tiny preset (``--preset``), ``stdlib`` corpus, Streaming DiLoCo with P = 2 and the fp4 codec, the
 demo's swarm timings (matchmaking 5 s, all-reduce deadline 30 s), alpha = 0 at tau = 0 and
-0.5 at tau > 0 (``protocol.config.SYNC_MODES``). Choose H so a round is long against the
-matchmaking floor (about ``0.5 * matchmaking_timeout_s`` per sync: the batch gap plus the
-settle time of ``peer.matchmaking``), or utilization only measures matchmaking.
+0.5 at tau > 0 (``protocol.config.SYNC_MODES``). Nodes join a sync's group ahead of
+its start step (pipelined matchmaking), at most until the fragment's previous round landed,
+so a round of H - tau - 1 steps must last longer than the matchmaking floor (about
+``0.5 * matchmaking_timeout_s``: the batch gap plus the settle time of ``peer.matchmaking``)
+for the floor to be hidden.
 
 Network: a bridge ``ssbench-br`` (10.77.0.254/24) and per peer a namespace ``ssbenchI`` with
 a veth pair, the peer at 10.77.0.(I+1); the cap is a tbf qdisc on the peer's end of its veth,
