@@ -73,10 +73,15 @@ def snapshot(worker: Any, rounds: Sequence[int] | None = None) -> GlobalState:
     return GlobalState(tensors=tensors, rounds=rounds, step=int(worker.step))
 
 
-def apply(worker: Any, state: GlobalState) -> None:
+def apply(worker: Any, state: GlobalState, *, keep_progress: bool = False) -> None:
     """Load ``state`` into ``worker``: global copies, outer momentum (cleared where the state has
     none), local weights := global copy, ``step``, and ``rounds`` if the worker keeps them.
-    Everything is checked first; on a mismatch StateSyncError is raised and nothing changed."""
+    Everything is checked first; on a mismatch StateSyncError is raised and nothing changed.
+
+    ``keep_progress`` (a repair: the same rounds, another copy): what the worker trained since
+    its last syncs is moved onto the new global copies (local := new global - its pseudo-
+    gradient), and its step and tokens since each sync stay, so its next contributions carry
+    that work at the weight they were announced with."""
     n = len(worker.outer)
     expected = {f"global/{p}": frag.numel for p, frag in enumerate(worker.outer)}
     missing = sorted(k for k in expected if k not in state.tensors)
@@ -94,6 +99,7 @@ def apply(worker: Any, state: GlobalState) -> None:
         raise StateSyncError(f"the fetched state has {len(state.rounds)} round counters for {n} fragments")
     check_finite(state)
     # everything checked: now change the worker
+    progress = [frag.pseudo_gradient() for frag in worker.outer] if keep_progress else None
     with torch.no_grad():
         for p, frag in enumerate(worker.outer):
             frag.global_flat.copy_(state.tensors[f"global/{p}"])
@@ -103,6 +109,10 @@ def apply(worker: Any, state: GlobalState) -> None:
             else:
                 frag.opt.state[frag.global_flat] = {"momentum_buffer": mom.detach().clone()}
             frag.merge_into_local(0.0)
+            if progress is not None:
+                frag.set_local(frag.global_flat - progress[p])
+    if progress is not None:
+        return  # step, tokens since each sync and rounds (the same) stay
     worker.step = int(state.step)
     # the local weights are now the global copy: nothing trained since is in them
     worker.tokens_since_sync = [0] * n
@@ -246,6 +256,26 @@ def vouchers_needed(others: int) -> int:
     start at once. The run's creator is believed alone (``choose_digest``'s ``trusted``); a run
     whose creator left needs two peers with its state before a newcomer can catch up."""
     return 2 if others >= 2 else 1
+
+
+def repair_vote(me: bytes, mine: dict[tuple[int, ...], bytes], peers: dict[bytes, tuple[tuple[int, ...], bytes]]
+                ) -> tuple[bool, list[bytes], list[bytes]]:
+    """Whether a node that went its own way should take the others' copy: -> (take, the keys
+    that hold our copy (``me`` first), the keys that hold another).
+
+    ``mine`` is our digest at each landing since we went our own way; ``peers`` each peer's
+    heartbeat (rounds, digest). A peer counts at the rounds it shows, if we passed them (in a
+    fast swarm two peers rarely show the same rounds at one moment); others do not count.
+    More peers hold our copy: keep it; more hold others: take theirs; a tie goes to the side
+    of the smallest key, the same choice on every peer whichever rounds each compared at, so
+    two peers that each averaged alone converge on one of their copies."""
+    agree, differ = [me], []
+    for key, (rounds, digest) in peers.items():
+        ours = mine.get(tuple(rounds))
+        if digest and ours is not None:
+            (agree if digest == ours else differ).append(key)
+    take = len(differ) > len(agree) or (len(differ) == len(agree) and min(differ) < min(agree))
+    return take, agree, differ
 
 
 def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2, trusted: frozenset[bytes] = frozenset(),

@@ -61,6 +61,14 @@ class OuterFragment:
         self.largest_update_norm = max(self.largest_update_norm, moved)
 
     @torch.no_grad()
+    def set_local(self, flat: torch.Tensor) -> None:
+        """local <- ``flat``, an (N,) tensor in the layout of ``local_flat``."""
+        offset = 0
+        for p in self.params:
+            p.copy_(flat[offset: offset + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype))
+            offset += p.numel()
+
+    @torch.no_grad()
     def merge_into_local(self, alpha: float) -> None:
         """local <- alpha * local + (1 - alpha) * global (alpha = 0 replaces local)."""
         offset = 0

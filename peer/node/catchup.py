@@ -8,7 +8,7 @@ import logging
 import time
 
 from peer.globalstate import (
-    StateSyncError, apply, check_distance, check_finite, choose_digest, snapshot, vouchers_needed,
+    StateSyncError, apply, check_distance, check_finite, choose_digest, repair_vote, snapshot, vouchers_needed,
 )
 from peer.network import NetworkError
 from peer.node.config import STATE_INDEX_ATTEMPTS
@@ -60,47 +60,37 @@ class CatchUpMixin:
         self._harvest_published()
         if not (self._digests and self._repair_due):
             return  # peers in other groups differ from us by design; their averages mix next rounds
-        # compare at rounds that peers' heartbeats show and that we passed since we went our own
-        # way (our digest then is in _digests): in a fast swarm two peers rarely show the same
-        # rounds at the same moment. The rounds most peers show win, then the latest
-        at: dict[tuple[int, ...], dict[bytes, bytes]] = {}
-        for k, hb in peers.items():
-            if hb.state_digest and tuple(hb.rounds) in self._digests:
-                at.setdefault(tuple(hb.rounds), {})[k] = hb.state_digest
-        if not at:
+        # compare each peer at the rounds its heartbeat shows, if we passed them since we went
+        # our own way (our digest then is in _digests): in a fast swarm two peers rarely show the
+        # same rounds at one moment
+        take, agree, differ = repair_vote(self.identity.public_key, self._digests,
+                                          {k: (tuple(hb.rounds), hb.state_digest) for k, hb in peers.items()})
+        if len(agree) + len(differ) == 1:
             return  # nobody's heartbeat shows rounds we passed yet: compare at a later check
-        rounds = max(at, key=lambda r: (len(at[r]), sum(r)))
-        mine = self._digests[rounds]
-        same = {**at[rounds], self.identity.public_key: mine}
-        # the most vouched-for state wins; a tie goes to the state of the smallest key, the same
-        # choice on every peer whichever rounds each compares at, so two peers that each
-        # averaged alone converge on one of their states
-        choice = choose_digest(same, min_vouchers=1, tie_by_key=True)
-        self._repair_due = False
-        if choice is None or choice[0] == mine:
-            return  # ours is the state to keep
-        ours = sum(1 for d in same.values() if d == mine)
-        if len(choice[1]) < ours:
-            return
-        if self._repair_tries == 0:
-            log.warning("global state differs from %d peers at rounds %s; downloading theirs",
-                        len(choice[1]), list(rounds))
-        # take their state as it is at our rounds and keep our step and our groups forming: a
-        # repair that waited for their next landing would miss the groups they form meanwhile
-        # (pipelined matchmaking), average alone and need the next repair. One voucher (two
-        # peers that each averaged alone) is enough here only because the state must then be
-        # near ours (globalstate.check_distance): a liar cannot move us far
-        if self._download(swarm, choice[1], peers, fast_forward=False, min_donors=1,
-                          at_rounds=tuple(self.stats.rounds)):
-            self._repair_tries = 0
-            return
         self._repair_tries += 1
-        if self._repair_tries < REPAIR_TRIES:
-            self._repair_due = True  # they serve other rounds than ours at this moment: at the next check
+        if not take:
+            # final once every live peer was compared (or after REPAIR_TRIES checks): a peer not
+            # compared yet may tip it, and a kept minority copy would never be repaired
+            if len(agree) + len(differ) > len(peers) or self._repair_tries >= REPAIR_TRIES:
+                self._repair_due, self._repair_tries = False, 0
             return
+        if self._repair_tries == 1:
+            log.warning("global state differs from %d of %d peers compared; downloading theirs",
+                        len(differ), len(agree) + len(differ) - 1)
+        # take their state as it is at our rounds, and keep what we trained since our last
+        # syncs, our step and our groups forming: a repair that waited for their next landing
+        # would miss the groups they form meanwhile (pipelined matchmaking), average alone and
+        # need the next repair. One voucher (two peers that each averaged alone) is enough here
+        # only because the state must then be near ours (globalstate.check_distance): a liar
+        # cannot move us far
+        if self._download(swarm, sorted(differ), peers, fast_forward=False, min_donors=1,
+                          at_rounds=tuple(self.stats.rounds)):
+            return
+        if self._repair_tries < REPAIR_TRIES:
+            return  # they serve other rounds than ours at this moment: at the next check
         # out of step with them for that long: take their next landing, start before their next sync
-        self._repair_tries = 0
-        self._download(swarm, choice[1], peers, fast_forward=True, min_donors=1)
+        self._repair_due, self._repair_tries = False, 0
+        self._download(swarm, sorted(differ), peers, fast_forward=True, min_donors=1)
 
     def _current_state(self, swarm, donors: list[str], newer_than: tuple[int, ...] | None = None,
                        wait_s: float = 0.0, min_donors: int = 2) -> tuple[bytes, list[str], tuple[int, ...]]:
@@ -194,12 +184,13 @@ class CatchUpMixin:
                 f.handle[0].cancel()  # a round we are past now; its group drops us at its deadline
                 log.info("left the forming group of fragment %d round %d: the download moved us past it",
                          f.fragment, f.round)
-        apply(worker, state)
+        apply(worker, state, keep_progress=not fast_forward)
         self.stats.rounds = list(state.rounds)
         self._new_lineage()
         self.state_digest, self.state_rounds = digest, tuple(state.rounds)
         self._digests[self.state_rounds] = digest
-        self._caught_up, self._repair_due = True, False
+        self._publish_state(worker)  # serve what we now vouch for (the same bytes: the same digest)
+        self._caught_up, self._repair_due, self._repair_tries = True, False, 0
         if fast_forward:
             # the donors just landed this state and train toward the next sync its rounds imply:
             # start right before it, so our next step meets them in that round's matchmaking
@@ -207,8 +198,6 @@ class CatchUpMixin:
             next_sync = min(sched.offset(p) + r * sched.inner_steps for p, r in enumerate(state.rounds))
             worker.step = max(state.step, next_sync - 1)
             self._sync_started_at = [worker.step] * len(worker.outer)
-        else:
-            worker.step = max(worker.step, state.step)
         self.state = previous if previous != "joining" else "training"
         self.on_event({"event": "state_synced", "rounds": list(state.rounds), "step": worker.step,
                        "seconds": round(time.perf_counter() - t0, 3)})
@@ -219,28 +208,31 @@ class CatchUpMixin:
         same groups land the same fragments in the same order, so they serve identical states
         (and digests) at each landing; a joiner gets the swarm's newest state, not the last
         full round's."""
+        self._harvest_published()
         state = snapshot(worker, self.stats.rounds)
-        self._publishing = (tuple(self.stats.rounds), self._lineage, self.net.submit(self.state_server.publish(state)))
+        self._publishing.append((tuple(self.stats.rounds), self._lineage,
+                                 self.net.submit(self.state_server.publish(state))))
 
     def _new_lineage(self) -> None:
         """Our copy left the one our past digests describe (a lone landing, a download):
         forget them, also those of a publish still under way."""
         self._lineage += 1
         self._digests.clear()
+        self._repair_tries = 0  # a repair due compares this copy afresh
 
     def _harvest_published(self) -> None:
-        """Take the digest of the state we published last, once it is served."""
-        if self._publishing is None or not self._publishing[2].done():
-            return
-        rounds, lineage, fut = self._publishing
-        self._publishing = None
-        try:
-            digest = fut.result()
-        except Exception as e:
-            log.warning("could not serve the global state reason=%r", e)
-            return
-        self.state_digest, self.state_rounds = digest, rounds
-        if lineage == self._lineage:
+        """Take the digests of the states we published, in order, as far as they are served:
+        every landing's digest goes into ``_digests`` (a repair compares at any of them)."""
+        while self._publishing and self._publishing[0][2].done():
+            rounds, lineage, fut = self._publishing.pop(0)
+            try:
+                digest = fut.result()
+            except Exception as e:
+                log.warning("could not serve the global state reason=%r", e)
+                continue
+            if lineage != self._lineage:
+                continue  # a copy we left (a lone landing or a download came after it)
+            self.state_digest, self.state_rounds = digest, rounds
             self._digests[rounds] = digest
             while len(self._digests) > DIGEST_HISTORY:
                 del self._digests[next(iter(self._digests))]

@@ -150,7 +150,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             self.averager.banned = self.bans.peer_ids  # one set: a ban holds from the next round on
             self.state_digest = b""
             self.state_rounds: tuple[int, ...] = ()  # the rounds state_digest is at
-            self._publishing = None  # (rounds, lineage, future) of the state being published
+            self._publishing: list = []  # (rounds, lineage, future) of each state being published, oldest first
             # our digest at each of our latest landings since the last lone one or download
             # (same lineage), to compare with peers' heartbeats at whichever rounds they show
             self._digests: dict[tuple[int, ...], bytes] = {}

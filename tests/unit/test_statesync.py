@@ -8,7 +8,7 @@ import torch
 from peer.statesync import (
     GlobalState, StateSyncError, apply, choose_digest, decode_state, encode_state, index_digest, snapshot,
 )
-from peer.globalstate import check_distance, vouchers_needed
+from peer.globalstate import check_distance, repair_vote, vouchers_needed
 from peer.worker import Worker
 from protocol.config import DataConfig, InnerConfig, ModelConfig, SyncConfig, TrainConfig
 
@@ -187,3 +187,32 @@ def test_a_repair_tie_goes_to_the_smallest_keys_state_whatever_the_digests():
     assert choose_digest({A: X, B: Y}, 1, tie_by_key=True) == (X, [A])
     assert choose_digest({A: Y, B: X}, 1) == (X, [B])  # a joiner's choice: by digest
     assert choose_digest({A: Y, B: X, C: X}, 1, tie_by_key=True) == (X, [B, C])  # the most vouched-for first
+
+
+def test_a_repair_counts_each_peer_at_the_rounds_it_shows_and_breaks_ties_by_the_smallest_key():
+    mine = {(3, 3): X, (4, 3): Y}  # our digests since we averaged alone
+    # B agrees with us at (3, 3), C holds another copy at (4, 3), D shows rounds we did not pass
+    take, agree, differ = repair_vote(B, mine, {A: ((4, 3), Z), C: ((3, 3), X), D: ((5, 5), Z)})
+    assert (agree, differ) == ([B, C], [A]) and not take  # two hold ours, one another
+    take, agree, differ = repair_vote(B, mine, {A: ((4, 3), Z), C: ((3, 3), Z)})
+    assert take and differ == [A, C]  # two against one, at different rounds
+    # one against one: the side of the smallest key wins, on both sides alike
+    assert repair_vote(B, mine, {A: ((3, 3), Z)})[0] is True
+    assert repair_vote(A, {(3, 3): Z}, {B: ((3, 3), X)})[0] is False
+    assert repair_vote(A, mine, {B: ((9, 9), X), C: ((3, 3), b"")}) == (False, [A], [])  # nothing to compare
+
+
+def test_apply_keeping_progress_moves_what_was_trained_onto_the_new_copy_and_keeps_the_step():
+    w = trained_worker(0)
+    with torch.no_grad():
+        for frag in w.outer:
+            for p in frag.params:
+                p.add_(0.01)  # inner steps since the last sync
+    w.tokens_since_sync = [64, 32]
+    before = [frag.pseudo_gradient() for frag in w.outer]
+    state = dataclasses.replace(snapshot(trained_worker(1), rounds=[2, 2]), step=3)  # the majority's copy
+    apply(w, state, keep_progress=True)
+    assert w.step == 8 and w.tokens_since_sync == [64, 32]
+    for p, frag in enumerate(w.outer):
+        assert torch.equal(frag.global_flat, state.tensors[f"global/{p}"])
+        assert torch.allclose(frag.pseudo_gradient(), before[p], atol=1e-6)
