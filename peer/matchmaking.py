@@ -45,8 +45,9 @@ ever. So a peer that averaged alone looks, at its next round of that fragment, a
 others joined the round it spent alone (``align_delay``): if they joined later, it waits that
 long (at most ``T``) before joining, and the two meet from then on (any group we form, of
 any fragment, puts us back in step, and clears what we noted). Only the peer ahead
-waits; one behind cannot speed up, and is brought back in step by the node's repair (it
-downloads the majority's state at the swarm's next landing).
+waits; one behind cannot speed up. The lone rounds leave the two with different copies,
+which the node's repair settles (``peer.node.catchup``: the side most peers hold, or the
+smallest key's, taken at the rounds the taker is at).
 
 Ahead of the sync (pipelined): the node calls ``form_group`` about ``formation_s()`` before
 the sync's start step (in inner steps at its own pace, ``peer.node.syncs._lead_steps``), with

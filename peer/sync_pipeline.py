@@ -49,11 +49,15 @@ class InFlight:
 class SyncPipeline:
     """The in-flight syncs of one node, keyed by fragment (one round of a fragment at a time).
 
-    Transitions: ``starts(step)`` says which fragments start after an inner step and
-    ``start`` records one; ``due(step)`` hands back those whose landing step has come;
-    ``drain()`` hands back all of them (pause, finish); ``abandon()`` too, for a node leaving
-    without landing; ``rebase()`` after a state download, which is only allowed with nothing
-    in flight, since the download replaces what a landing would apply to.
+    Transitions: ``joins(step, lead)`` says which rounds' groups to join ahead of their start
+    (pipelined matchmaking) and ``form`` records one; ``starts(step)`` says which fragments
+    start after an inner step (with their group forming, if any) and ``start`` records one;
+    ``due(step)`` hands back those whose landing step has come; ``take_forming()`` hands back
+    the groups forming, for a pause to start them early; ``leave_forming(r)`` those for rounds
+    from r on, for a finish to leave; ``drain()`` hands back all in flight (pause, finish);
+    ``abandon()`` everything, for a node leaving without landing; ``rebase()`` after a state
+    download, which is only allowed with nothing in flight, since the download replaces what
+    a landing would apply to (a fast-forward also hands back the groups forming).
     """
 
     def __init__(self, schedule: SyncSchedule):
