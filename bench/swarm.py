@@ -6,6 +6,7 @@ against tau = 1.
     python bench/swarm.py                         # N = 2, 4, 8; 3 rounds, H = 160; ~10 min
     python bench/swarm.py --rate 100mbit --tau 0,1,5 --out bench/results/swarm_100mbit.json
     python bench/swarm.py --loopback              # all peers on 127.0.0.1, no cap
+    python bench/swarm.py --peers 4 --tau 1 -H 40 --rounds 10 --slow 2   # one peer 2x slower
 
 Per (N, tau, link) it prints and writes (JSON, with the machine and the commit):
 - wall time of the run (start of the first node to the exit of the last) and rounds completed;
@@ -28,6 +29,11 @@ Per (N, tau, link) it prints and writes (JSON, with the machine and the commit):
   average landed within tau steps. It holds matchmaking too, which is what tau must hide;
 - syncs averaged alone, held-out loss of the global model (mean over peers), and whether all
   peers ended with the same global model (one group: they must).
+
+With ``--slow F`` the last peer trains 1/F of the time (its volunteer setting
+``compute.duty_cycle``); a second table shows the fast peers' blocked share, the slow peer's,
+its inner steps over a fast peer's, how many of its syncs were in a group, and how far it moved
+its step counter on (``peer.pace``: it follows the others' rounds with the steps it managed).
 
 The run: tiny preset (``--preset``), ``stdlib`` corpus, Streaming DiLoCo with P = 2 and the fp4 codec, the
 demo's swarm timings (matchmaking 5 s, all-reduce deadline 30 s), alpha = 0 at tau = 0 and
@@ -69,6 +75,7 @@ from benchutil import print_table, write_json
 from peer import netns
 from peer.demo import Demo
 from peer.identity_store import load_or_create_identity
+from peer.settings_store import save_settings
 from protocol.butterfly import bytes_sent
 from protocol.codecs import get_codec
 from protocol.config import (
@@ -80,6 +87,7 @@ from protocol.config import (
 )
 from protocol.errors import ConfigError
 from protocol.manifest import RunManifest, SwarmConfig, sign_manifest
+from protocol.settings import ClientSettings, ComputeSettings, Settings
 
 NS = "ssbench"  # namespaces ssbenchI on bridge ssbench-br (peer.netns)
 SUBNET = "10.77.0"
@@ -219,6 +227,9 @@ def run_one(n: int, tau: int, args: argparse.Namespace, netns: bool) -> dict:
     bare_trials = [bare_step_s(train, corpus), bare_step_s(train, corpus)]
     launcher = {i: ["ip", "netns", "exec", f"{NS}{i}"] for i in range(n)} if netns else None
     listen = {i: f"/ip4/{SUBNET}.{i + 1}/tcp/0" for i in range(n)} if netns else None
+    if args.slow:  # the last peer trains 1/slow of the time (its volunteer setting compute.duty_cycle)
+        save_settings(work / f"peer{n - 1}.toml", Settings(compute=ComputeSettings(duty_cycle=1.0 / args.slow),
+                                                          client=ClientSettings(confirmed=True)))
     demo = Demo(n, rounds=args.rounds, workdir=work, manifest=signed, launcher=launcher, listen=listen,
                 checkpoint_every_s=1e9)  # no checkpoints but the last: they are not what we measure
     timed_out = False
@@ -251,8 +262,10 @@ def run_one(n: int, tau: int, args: argparse.Namespace, netns: bool) -> dict:
     syncs = sum(p["syncs"] for p in s)
     steps = sum(p["steps"] for p in s)
     rounds = [max(1, p["rounds"]) for p in s]
+    fast = s[:-1] if args.slow and len(s) == n else s  # with --slow, the last peer is the slow one
+    slow = s[-1] if args.slow and len(s) == n else None
     return {
-        "peers": n, "tau": tau, "link": (args.rate or "no cap") if netns else "loopback",
+        "peers": n, "tau": tau, "link": (args.rate or "no cap") if netns else "loopback", "slow": args.slow,
         "finished": len(s), "timed_out": timed_out, "errors": summary["errors"], "workdir": str(work),
         "wall_s": wall, "train_s": statistics.mean(p["wall_s"] for p in s) if s else float("nan"),
         "rounds": summary["rounds"], "steps_per_peer": steps / max(1, len(s)),
@@ -260,6 +273,13 @@ def run_one(n: int, tau: int, args: argparse.Namespace, netns: bool) -> dict:
         "bare_step_trials_ms": [round(1e3 * t, 2) for t in bare_trials],
         "blocked_share": statistics.mean(p["blocked_s"] / p["wall_s"] for p in s) if s else float("nan"),
         "blocked_at_sync_share": statistics.mean(p["waited_s"] / p["wall_s"] for p in s) if s else float("nan"),
+        # with --slow: the same for the fast peers alone, and what the slow one did
+        "fast_blocked_share": statistics.mean(p["blocked_s"] / p["wall_s"] for p in fast) if fast else float("nan"),
+        "slow_blocked_share": slow["blocked_s"] / slow["wall_s"] if slow else None,
+        "slow_steps_share": (slow["steps_trained"] / statistics.mean(p["steps_trained"] for p in fast)
+                             if slow and fast else None),  # its inner steps / a fast peer's
+        "slow_syncs_in_groups": slow["syncs"] - slow["syncs_alone"] if slow else None,
+        "slow_steps_skipped": slow["steps_skipped"] if slow else None,
         "effective_utilization": sum(p["steps_trained"] * bare / max(1e-9, p["wall_s"]) for p in s),
         "sent_kb_per_round": statistics.mean(p["bytes_sent"] / r for p, r in zip(s, rounds)) / 1e3 if s else 0.0,
         "recv_kb_per_round": statistics.mean(p["bytes_received"] / r for p, r in zip(s, rounds)) / 1e3 if s else 0.0,
@@ -291,8 +311,13 @@ def main() -> int:
                     help="seconds before a run's nodes are stopped and it is reported as timed out (default 300)")
     ap.add_argument("--preset", default="tiny", type=preset_arg, help="model preset of the run (default tiny)")
     ap.add_argument("--quick", action="store_true", help="N = 2, 4; 2 rounds of H = 100 (~3 min)")
+    ap.add_argument("--slow", type=float, default=0.0, metavar="FACTOR",
+                    help="make the last peer FACTOR times slower (its compute.duty_cycle = 1/FACTOR); the table "
+                         "then shows the fast peers' blocked share and what the slow one contributed")
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/swarm.json)")
     args = ap.parse_args()
+    if args.slow and not 1.0 <= args.slow <= 20.0:
+        ap.error(f"--slow must be between 1 and 20 (a factor), got {args.slow:g}")
     peers = [2, 4] if args.quick else [int(x) for x in args.peers.split(",")]
     taus = [int(x) for x in args.tau.split(",")]
     args.rounds = args.rounds or (2 if args.quick else 3)
@@ -331,6 +356,13 @@ def main() -> int:
                        ("allreduce_p90_s", "AR p90 s", ".2f"), ("waited_per_sync_s", "wait/sync s", ".2f"),
                        ("syncs_alone", "alone", "d"), ("heldout_loss", "held-out", ".4f"),
                        ("global_copies_agree", "agree", "")])
+    if args.slow:
+        print(f"\nwith the last peer {args.slow:g}x slower (compute.duty_cycle = {1 / args.slow:.2f}):")
+        print_table(rows, [("peers", "N", "d"), ("tau", "tau", "d"), ("fast_blocked_share", "fast blocked", ".1%"),
+                           ("slow_blocked_share", "slow blocked", ".1%"),
+                           ("slow_steps_share", "slow steps / fast", ".2f"),
+                           ("slow_syncs_in_groups", "slow syncs in groups", "d"), ("syncs_alone", "alone (all)", "d"),
+                           ("slow_steps_skipped", "slow steps moved on", "d"), ("global_copies_agree", "agree", "")])
     out = write_json(args.out, "swarm", {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "network": {"namespaces": netns, "rate": args.rate if netns else None, "fallback_reason": reason or None,

@@ -11,8 +11,9 @@ included, keeps the *decoded* mean, so all members that got part j hold the same
 
 Transport. One handler per run (``HANDLER_PREFIX`` + run ID) on hivemind's P2P binary
 streams. Everything is a push: a sender opens a stream to a member, writes its frames and
-closes it; nothing is answered on the same stream, so a reducer never holds a stream open
-while it waits for the others. A frame is an 8-byte big-endian length (hivemind's
+closes it once the member has acknowledged each (one byte per frame, ``peer.outbox``; what is
+not acknowledged in time goes again on a new stream); nothing else is answered, so a reducer
+never holds a stream open while it waits for the others. A frame is an 8-byte big-endian length (hivemind's
 ``P2P.send_raw_data`` framing) followed by one signed envelope; the length is checked against
 ``max_frame_bytes`` before a byte of the body is read. A slice whose envelope would exceed
 that is sent as several messages with consecutive offsets, cut at multiples of 256 elements
@@ -88,12 +89,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
 from peer.allreduce_round import Round
 from peer.inbox import HEADER_LEN, FrameTooLarge, PendingFrames, StreamEnded, StreamGate, TooManyStreams, \
     peek_group, read_body, read_header
-from peer.ratelimit import CHUNK_BYTES, RateLimiter
+from peer.outbox import ACK, MAX_UNREAD_ACKS, send_frames
+from peer.ratelimit import RateLimiter
 from protocol.codecs import get_codec
 from protocol.envelope import seal_parts, verify
 from protocol.errors import LocalProtocolError, RemoteProtocolError
@@ -105,7 +107,7 @@ __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_ele
 
 log = logging.getLogger(__name__)
 
-HANDLER_PREFIX = "swarmstream-avg-v1-"
+HANDLER_PREFIX = "swarmstream-avg-v2-"  # v2: each frame is acknowledged (peer.outbox)
 CHUNK_ALIGN = 256  # elements: a multiple of every codec's block (int8: 256, fp4: 32)
 _HEAD_ROOM = 4096  # bytes of a frame that are not payload: envelope and message heads
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
@@ -261,6 +263,10 @@ class Averager:
                         await self.download.take(HEADER_LEN + size)  # holds back the sender under a cap
                         key = self._on_frame(peer_id, data)
                         del data  # or this stream holds its last frame while it waits for the next
+                    writer.write(ACK)  # read and handled: the sender closes once all are (peer.outbox)
+                    if writer.transport.get_write_buffer_size() > MAX_UNREAD_ACKS:
+                        log.info("averaging stream closed reason=acks_not_read peer=%s", peer_id)
+                        break  # it does not read what we answer: no buffer of ours grows for it
                     if key is not None:
                         carried.add(key)
         except TooManyStreams as e:
@@ -360,35 +366,10 @@ class Averager:
     # --- outbound -----------------------------------------------------------------------
 
     async def _send_frames(self, peer_id: str, frames: list[list[Any]]) -> int:
-        """Open a stream to ``peer_id``, write each frame (sealed parts), close. -> bytes sent."""
-        try:
-            _, _, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.handler_name)
-        except Exception:  # no connection and no address of theirs we can dial
-            if self.reconnect is None or not await self.reconnect(peer_id):
-                raise
-            _, _, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.handler_name)
-        sent = 0
-        try:
-            for parts in frames:
-                size = sum(len(p) for p in parts)
-                if self.upload.limited:  # under a cap: small writes, each paid for before it goes
-                    await self.upload.take(HEADER_LEN)
-                    writer.write(size.to_bytes(HEADER_LEN, "big"))
-                    for part in parts:
-                        view = memoryview(part).cast("B")
-                        for i in range(0, len(view), CHUNK_BYTES):
-                            chunk = view[i:i + CHUNK_BYTES]
-                            await self.upload.take(len(chunk))
-                            writer.write(chunk)
-                            await writer.drain()
-                else:
-                    writer.write(size.to_bytes(HEADER_LEN, "big"))
-                    writer.writelines(parts)
-                await writer.drain()
-                sent += HEADER_LEN + size
-        finally:
-            writer.close()
-        return sent
+        """Send frames (sealed parts) to ``peer_id`` until each is acknowledged (``peer.outbox``).
+        -> bytes sent."""
+        return await send_frames(self.p2p, peer_id, self.handler_name, frames, upload=self.upload,
+                                 reconnect=self.reconnect)
 
     def _encode(self, rnd: Round, part: int, values: torch.Tensor) -> list[tuple[int, int, bytes]]:
         """``values`` (the elements of slice ``part``) encoded in chunks: [(start, end, bytes)]."""

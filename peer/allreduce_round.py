@@ -88,6 +88,7 @@ class Round:
         self.peer_ids = [peer_id_from_public_key(k) for k in group.members]
         self.index = {p: i for i, p in enumerate(self.peer_ids)}
         self.vector = vector  # (numel,) fp32, our own values
+        self._seen: set[tuple] = set()  # (member, kind, part, offset, payload digest) of frames taken
         self.result = torch.empty(group.numel, dtype=torch.float32)
         self.dropped: dict[int, str] = {}  # member -> reason
         self.clipped: list[int] = []  # members whose slice we scaled down as too large
@@ -230,6 +231,9 @@ class Round:
         if i in self.dropped and not (late and isinstance(msg, SliceAveraged)):
             return  # a member dropped for lateness may still send its part; not one that lied
         self.bytes_received += nbytes
+        seen = (i, type(msg).__name__, msg.part, msg.offset, bytes(v.payload_digest))
+        if seen in self._seen:
+            return  # sent again because its acknowledgement did not come in time (peer.outbox)
         try:
             if isinstance(msg, PushSlice):
                 self._accept_push(i, msg)
@@ -239,6 +243,7 @@ class Round:
             self.drop(i, f"{type(msg).__name__}:{e}")
             self._keep_evidence(data)
             return
+        self._seen.add(seen)
         self.changed.set()
 
     def _keep_evidence(self, data: bytes) -> None:
@@ -283,6 +288,10 @@ class Round:
                                     [(c[0], c[1], c[4], c[3], c[2]) for (p, _), cs in self.repairs.items() if p == j
                                      for c in cs]):
             return
+        seen = (f, "forwarded", j, msg.offset, bytes(v.payload_digest))
+        if seen in self._seen:
+            return  # sent again because its acknowledgement did not come in time (peer.outbox)
+        self._seen.add(seen)
         self.bytes_received += nbytes
         chunks = self.repairs.setdefault((j, f), [])
         try:

@@ -27,7 +27,9 @@ The scheme, as each peer runs it (``T = matchmaking_timeout_s``, ``gap = GAP_FRA
    averages mix across the swarm.
 4. The leader of a group of two or more writes its ``GroupFormed`` and returns it; the others
    poll the groups key until a verified ``GroupFormed`` that names them appears and follow it.
-   A group of one (an odd peer out, or a lonely peer) gets ``None`` at the deadline.
+   A group of one (an odd peer out, or a lonely peer) gets ``None`` soon after its window (a
+   settle time and two polls later): no later join can enter a closed batch. A follower that
+   no leader names gets ``None`` at the deadline.
 
 Why it converges: batches and groups are pure functions of the set of joins, and the final
 read happens after the window has closed, so peers that see the same joins compute the same
@@ -53,7 +55,10 @@ Ahead of the sync (pipelined): the node calls ``form_group`` about ``formation_s
 the sync's start step (in inner steps at its own pace, ``peer.node.syncs._lead_steps``), with
 the weight the sync will carry, so the group is there when the pseudo-gradient is and the
 batch windows above cost no training time. Peers in step join at about the same time, as
-before; everything above holds unchanged, only earlier.
+before; everything above holds unchanged, only earlier. A node slower than the others
+(``peer.pace``) joins when another peer has joined the round (``wait_for_others``), so it
+lands in their batch; if their batch has closed already, it averages alone at once, to be
+ready for the next round.
 
 Checked on read: signature, message type, run, fragment and round (the signed context), that
 the subkey is the signer, numel, codec and deadline against ours, that a group's leader is its
@@ -262,6 +267,35 @@ class Matchmaker:
                      members=tuple(bytes(m) for m in f.members), weights=tuple(f.weights), numel=f.numel,
                      codec=f.codec, deadline_s=f.deadline_s)
 
+    async def wait_for_others(self, fragment: int, round: int, numel: int, timeout_s: float, *,
+                              now: Callable[[], float] = get_dht_time) -> str:
+        """Wait until a peer other than us has joined (fragment, round), reading the joins every
+        ``poll_s``, at most ``timeout_s``. -> ``"joined"`` (join now: we land in their batch),
+        ``"late"`` (two or more others joined it in a batch that closes before ours would: we
+        cannot meet them this round) or ``"none"`` (nobody came). A node slower than the swarm
+        joins its rounds when the others do (``peer.pace``), not by its own step counter.
+
+        A join time is its writer's to choose (backdated, say): one join alone never makes us
+        give a round up, it only makes us keep looking; giving up takes a closed batch of two
+        or more keys (a Sybil's price, see docs/THREAT_MODEL.md)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        me = self.identity.public_key
+        while True:
+            others = {k: j.joined_at for k, j in (await self._read_joins(fragment, round, numel, now())).items()
+                      if k != me}
+            if others:
+                t = now()
+                batch, _ = batch_of({**others, me: t}, me, self.gap_s, self.span_s)
+                if len(batch) > 1:
+                    return "joined"
+                closed = [k for k in others if batch_of({**others, me: t}, k, self.gap_s, self.span_s)[1] < t]
+                if len(closed) >= 2:
+                    return "late"
+            if loop.time() >= end:
+                return "none"
+            await asyncio.sleep(min(self.poll_s, max(0.0, end - loop.time())))
+
     async def align_delay(self, fragment: int, round: int, numel: int, *,
                           now: Callable[[], float] = get_dht_time) -> float:
         """How long to wait before joining ``round`` so as to meet the peers that joined our
@@ -321,14 +355,23 @@ class Matchmaker:
         # A follower (or a group of one, which may still be named by a leader whose view differs).
         # The leader closed the same window a moment ago and is storing its record now: look
         # again soon, then back off to poll_s (the whole group waits for its last follower).
+        # Alone in our group (alone in our batch, or the odd one out), nothing can change any
+        # more: a later join starts a batch of its own, and one that came before ours has
+        # closed; only a leader that saw a join we never saw could name us, and it would have by
+        # now (unless that join's store landed more than a settle time late: then its group
+        # drops us at the push deadline). So stop looking a settle time and two polls after the
+        # window, not at the deadline: waiting there only delays our landing, and with it our
+        # join of the fragment's next round, which would then come too late for the others'
+        # batch as well (a peer alone once would stay alone).
+        give_up = deadline if len(mine) > 1 else min(deadline, wake + self.settle_s + 2 * self.poll_s)
         delay = self.poll_s / 8
         while True:
             found = self._mine(await self._read_groups(fragment, round, numel, codec, seed), seed, weight)
             if found is not None:
                 return self._group(found)
-            if now() >= deadline:
+            if now() >= give_up:
                 log.info("no group fragment=%d round=%d: averaging alone this round", fragment, round)
                 self._alone[fragment] = (round, t_me)
                 return None
-            await asyncio.sleep(max(0.0, min(delay, deadline - now())))
+            await asyncio.sleep(max(0.0, min(delay, give_up - now())))
             delay = min(2 * delay, self.poll_s)

@@ -17,6 +17,7 @@ hypothesis over random interleavings of all transitions).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from protocol.errors import LocalProtocolError
@@ -52,7 +53,8 @@ class SyncPipeline:
     Transitions: ``joins(step, lead)`` says which rounds' groups to join ahead of their start
     (pipelined matchmaking) and ``form`` records one; ``starts(step)`` says which fragments
     start after an inner step (with their group forming, if any) and ``start`` records one;
-    ``due(step)`` hands back those whose landing step has come; ``take_forming()`` hands back
+    ``due(step, ready)`` hands back those whose landing step has come (and, with ``ready``, whose
+    result is there, or whose fragment starts again now); ``take_forming()`` hands back
     the groups forming, for a pause to start them early; ``leave_forming(r)`` those for rounds
     from r on, for a finish to leave; ``drain()`` hands back all in flight (pause, finish);
     ``abandon()`` everything, for a node leaving without landing; ``rebase()`` after a state
@@ -157,12 +159,17 @@ class SyncPipeline:
         self._started[fragment] = round_
         return sync
 
-    def due(self, step: int) -> list[InFlight]:
-        """Remove and return the syncs whose result is due after inner step ``step``."""
-        ready = [s for s in self.in_flight() if s.lands_after <= step]
-        for s in ready:
+    def due(self, step: int, ready: Callable[[InFlight], bool] | None = None) -> list[InFlight]:
+        """Remove and return the syncs whose result is due after inner step ``step``. With
+        ``ready``, a due sync for which it says False stays in flight (the caller trains on and
+        lands it at a later step), unless its fragment's next round starts after ``step``: a
+        round lands before the next one of its fragment starts."""
+        starting = set(self.schedule.starts_after(step))
+        out = [s for s in self.in_flight() if s.lands_after <= step
+               and (ready is None or s.fragment in starting or ready(s))]
+        for s in out:
             del self._flight[s.fragment]
-        return ready
+        return out
 
     def drain(self) -> list[InFlight]:
         """Remove and return every sync in flight, oldest first: a pause or a finish lands

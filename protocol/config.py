@@ -232,10 +232,14 @@ class TrainConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
 
+    def tokens_per_step(self) -> int:
+        """Tokens one inner step trains on: batch x accumulation x sequence length."""
+        return self.inner.batch_size * self.inner.grad_accum * self.model.seq_len
+
     def max_sync_tokens(self) -> int:
         """The most tokens one fragment's sync may cover: H inner steps of batch x accumulation
         x sequence length. A member declaring more weight is refused (peer.matchmaking)."""
-        return self.sync.inner_steps * self.inner.batch_size * self.inner.grad_accum * self.model.seq_len
+        return self.sync.inner_steps * self.tokens_per_step()
 
     def __post_init__(self) -> None:
         _check(self.sync.fragments <= self.model.n_layers,

@@ -12,6 +12,8 @@ with one line that names the key and what to do, and is never overwritten by a p
     max_batch_size = 0           # cap on sequences per forward pass (0: the run's batch size);
                                  # the run's batch is split into micro-batches, the math is the same
     cpu_threads = 0              # torch threads on CPU (0: torch's default)
+    duty_cycle = 1.0             # share of the time spent training (0.05-1): below 1 the node
+                                 # rests after each inner step (0.5: as long as the step took)
 
     [network]
     max_upload_mbps = 0.0        # caps on the averaging streams, megabits per second (0: none)
@@ -79,6 +81,7 @@ class ComputeSettings:
     gpu_memory_fraction: float = 1.0
     max_batch_size: int = 0
     cpu_threads: int = 0
+    duty_cycle: float = 1.0
 
     def __post_init__(self) -> None:
         _check(isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None,
@@ -87,6 +90,8 @@ class ComputeSettings:
                f"compute.gpu_memory_fraction must be in [0.05, 1.0], got {self.gpu_memory_fraction}")
         _check(0 <= self.max_batch_size <= 65536, f"compute.max_batch_size must be in [0, 65536], got {self.max_batch_size}")
         _check(0 <= self.cpu_threads <= 1024, f"compute.cpu_threads must be in [0, 1024], got {self.cpu_threads}")
+        _check(0.05 <= self.duty_cycle <= 1.0,
+               f"compute.duty_cycle must be in [0.05, 1.0], got {self.duty_cycle}")
 
 
 @dataclass(kw_only=True, slots=True)

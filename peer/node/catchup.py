@@ -31,8 +31,11 @@ class CatchUpMixin:
         differ by one for a moment after each round), then start our schedule where they are.
         Or, if at our rounds more peers vouch for another state than for ours (we averaged
         alone or with a minority), download theirs and keep our step. Nobody diverges silently."""
-        peers = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=30)
-        self._update_peers(peers)
+        if joining:  # before training starts or resumes: read the swarm now
+            peers = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=30)
+            self._update_peers(peers)
+        else:  # between steps: the view _refresh_peers keeps without blocking (a heartbeat old at most)
+            peers = dict(self._peers)
         peers.pop(self.identity.public_key, None)
         mine = min(self.stats.rounds, default=0)
         # behind by one round counts when joining, before our first download, or after we

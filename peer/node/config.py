@@ -84,12 +84,15 @@ class NodeStats:
     tokens: int = 0  # trained by this process (a restart starts again at 0)
     inner_steps: int = 0
     allreduce_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    steps_skipped: int = 0  # steps our counter moved on without training, to keep up with the swarm (peer.pace)
+    waits: deque[tuple[int, int, float]] = field(default_factory=lambda: deque(maxlen=1000))  # (fragment, round, s)
     """Latency of the latest all-reduces (bounded: a node runs for weeks)."""
     losses: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=1000))
     heldout: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=1000))
     traffic: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=256))
     """(time, bytes sent, bytes received) after each sync, for the dashboard's rates."""
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=50))
+    cycle_times: deque[float] = field(default_factory=lambda: deque(maxlen=50))  # a step and the rest after it
 
 
 def global_digest(worker: Worker) -> str:

@@ -24,6 +24,7 @@ similar speed average together; a much slower peer finds no group and averages a
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -50,6 +51,7 @@ from peer.node.peers import PeersMixin
 from peer.node.syncs import SyncMixin
 from peer.node.volunteer import VolunteerMixin, _LogToControl
 from peer.node.worker_state import WorkerStateMixin
+from peer.pace import SwarmClock
 from peer.presence import Presence
 from peer.ratelimit import RateLimiter
 from peer.settings_store import load_settings
@@ -162,6 +164,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             self._refused_claims: set[bytes] = set()  # state digests claimed ahead by too few peers
             self._caught_up = False  # joined the swarm's state (or found nobody ahead); until then lag 1
             self._sync_started_at: list[int] = []  # step of each fragment's latest contribution
+            self._clock = SwarmClock(swarm.heartbeat_interval_s, train.tokens_per_step())  # the swarm's pace (peer.pace)
             self._maddrs = self.net.visible_maddrs()
         except BaseException:
             self.net.close()
@@ -257,6 +260,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
         last_beat = last_ckpt = 0.0
         finish_at: int | None = None
         last_round = self.cfg.max_rounds  # the round count we stop at (finish or max_rounds), if any
+        tokens = train.tokens_per_step()
         t_start = self._loop_t0 = time.perf_counter()
         self.state = "training"
         while not self.stop_event.is_set():
@@ -279,6 +283,22 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
                     break  # paused when asked to finish: nothing is in flight, so we are done
                 worker, last_beat = self.worker, 0.0
                 continue
+            # pipelined matchmaking: join the groups of the syncs that start within the time a
+            # group takes to form, so the group is there when the pseudo-gradient is (here, before
+            # the step, so that a fresh run's first groups form during its first steps)
+            step = worker.step
+            following = self._following()  # slower than the swarm: join when the others do (peer.pace)
+            for p, r, at in pipeline.joins(step, self._lead_steps(following), before_round=last_round):
+                # the weight it will carry, capped as begin_sync caps it (more than H steps' worth
+                # only after a round started early by a pause)
+                planned = min(worker.tokens_since_sync[p] + tokens * (at - step), train.max_sync_tokens())
+                follow = None
+                if following:  # it starts when its group has formed: what we train until then
+                    own, formation = self._own_pace() or 1.0, self.matchmaker.formation_s()
+                    planned = min(worker.tokens_since_sync[p] + tokens * math.ceil(formation * own),
+                                  train.max_sync_tokens())
+                    follow = (max(0.5, (at - step) / own - formation), tokens * own)
+                pipeline.form(p, r, step, at, self._submit_forming(p, r, planned, follow))
             t0 = time.perf_counter()
             loss = worker.forward_backward(self._micro_batches())
             worker.optimizer_step()
@@ -286,8 +306,11 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             self.stats.inner_s += dt
             self.stats.step_times.append(dt)
             self.stats.inner_steps += 1
+            duty = self.settings.compute.duty_cycle
+            if duty < 1.0:  # the volunteer's share of time training: rest after the step (a command ends it)
+                self.stop_event.wait(dt * (1.0 / duty - 1.0))
+            self.stats.cycle_times.append(time.perf_counter() - t0)
             step = worker.step
-            tokens = train.inner.batch_size * train.inner.grad_accum * train.model.seq_len
             self.ledger.record_trained(tokens)
             self.stats.tokens += tokens
             if step % 10 == 0:
@@ -295,27 +318,28 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
                 ev = LossMeasured(at=time.time(), step=step, split="train", loss=max(0.0, min(loss, 1e9)))
                 self._loss_history.append(ev)
                 self._emit(ev)
-            for p, r, forming in pipeline.starts(step):
-                delta, weight = worker.begin_sync(p)
-                self._sync_started_at[p] = step
-                pipeline.start(p, r, step, self._submit_sync(p, r, delta, weight, forming))
-                if self.state == "training":
-                    self.state = "averaging"
-            for sync in pipeline.due(step):  # what is in flight decides, so a sync landed early by a pause is gone
-                self._land(sync, swarm)
-                self._publish_state(worker)
-                if sync.fragment == len(worker.outer) - 1:  # the last fragment landed: a full round
-                    self._full_round(worker, last_ckpt)
-                    if time.monotonic() - last_ckpt >= self.cfg.checkpoint_every_s:
-                        last_ckpt = time.monotonic()
-                        self._save()
-            # pipelined matchmaking: join the groups of the syncs that start within the time a
-            # group takes to form, so the group is there when the pseudo-gradient is
-            for p, r, at in pipeline.joins(step, self._lead_steps(), before_round=last_round):
-                # the weight it will carry, capped as begin_sync caps it (more than H steps' worth
-                # only after a round started early by a pause)
-                planned = min(worker.tokens_since_sync[p] + tokens * (at - step), train.max_sync_tokens())
-                pipeline.form(p, r, step, at, self._submit_forming(p, r, planned))
+            # a node that follows the others (slower than the swarm, peer.pace) started its sync
+            # before they did: it trains on until the result is there, rather than wait for it
+            ready = (lambda sync: sync.handle[0].done()) if following else None
+            for step in self._keep_pace(worker, pipeline, following):  # this step, and any we move on by to keep up
+                # what is in flight decides: a sync landed by a pause is gone. Land before a start
+                # (a round lands before its fragment's next one starts: a follower may have kept
+                # one), and after it (with tau = 0 a sync lands right after it started)
+                for when in ("before", "after"):
+                    for sync in pipeline.due(step, ready):
+                        self._land(sync, swarm)
+                        self._publish_state(worker)
+                        if sync.fragment == len(worker.outer) - 1:  # the last fragment landed: a full round
+                            self._full_round(worker, last_ckpt)
+                            if time.monotonic() - last_ckpt >= self.cfg.checkpoint_every_s:
+                                last_ckpt = time.monotonic()
+                                self._save()
+                    for p, r, forming in pipeline.starts(step) if when == "before" else ():
+                        delta, weight = worker.begin_sync(p)
+                        self._sync_started_at[p] = step
+                        pipeline.start(p, r, step, self._submit_sync(p, r, delta, weight, forming))
+                        if self.state == "training":
+                            self.state = "averaging"
             if not pipeline.in_flight() and self.state == "averaging":
                 self.state = "training"
             now = time.monotonic()
@@ -366,6 +390,8 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             "paused_s": round(self.stats.paused_s, 3), "inner_s": round(self.stats.inner_s, 3),
             "wall_s": round(wall, 3), "global_digest": global_digest(worker),
             "allreduce_s": [round(x, 3) for x in list(self.stats.allreduce_s)[-50:]],
+            "steps_skipped": self.stats.steps_skipped,
+            "waits_s": [[p, r, round(w, 3)] for p, r, w in list(self.stats.waits)[-50:]],
         }
 
 

@@ -51,6 +51,9 @@ class PeersMixin:
         for k, hb in self._peers.items():
             if k not in live and now - hb.sent_at <= ttl:
                 live[k] = hb  # not in this read, but its last heartbeat is still fresh
+        for k, hb in live.items():
+            self._clock.observe(k, hb.sent_at, hb.tokens, hb.state, hb.tokens_per_s)
+        self._clock.forget(self._peers.keys() - live.keys())
         for k in self._peers.keys() - live.keys():
             self._remember(PeerLeft(at=now, peer_id=peer_id_from_public_key(k), reason="heartbeat expired"))
         for k, hb in live.items():

@@ -32,19 +32,63 @@ log = logging.getLogger("peer.node")  # one logger name for the whole node, also
 class SyncMixin:
     """Averaging and landing of ``peer.node.Node`` (a part of it)."""
 
-    def _lead_steps(self) -> int:
+    def _lead_steps(self, following: bool) -> int:
         """How many inner steps before a sync's start its group should start forming: the time
-        matchmaking takes, in steps at our recent pace (0 until we know it: join at the start)."""
-        times = self.stats.step_times
-        if len(times) < 5:
-            return 0
-        step_s = max(statistics.median(times), 1e-3)
+        matchmaking takes, in steps at our recent pace (the median of the last 50, or the
+        fastest so far before 5 are known: the first ones warm up, slower, and would make the
+        lead too short). Before our first step, in a fresh run (step 0, where every peer starts
+        its schedule), and while we are slower than the swarm (``peer.pace``: we follow the
+        others' joins), as early as the schedule allows. Resumed mid-run with no step timed
+        yet: 0, join at the start (joining far ahead of the others would put us in a batch of
+        our own)."""
+        cycles = self.stats.cycle_times
+        if not cycles:
+            return self.worker.schedule.inner_steps if self.worker.step == 0 else 0
+        if following:
+            return self.worker.schedule.inner_steps
+        step_s = max(statistics.median(cycles) if len(cycles) >= 5 else min(cycles), 1e-3)
         return math.ceil(self.matchmaker.formation_s() / step_s)
 
-    def _submit_forming(self, fragment: int, round_: int, weight: float) -> tuple[Any, float]:
-        """Join (fragment, round)'s matchmaking now, ahead of its start: -> (the group's future, weight)."""
+    def _own_pace(self) -> float | None:
+        """Inner steps per second we train at (compute and the volunteer's rest; waits on the
+        network left out), once 5 steps are timed."""
+        cycles = self.stats.cycle_times
+        return 1.0 / max(statistics.median(cycles), 1e-3) if len(cycles) >= 5 else None
+
+    def _following(self) -> bool:
+        """Slower than the swarm: we join our rounds when the others do and start them when
+        their group has formed (``peer.pace``)."""
+        return self._clock.is_slow(self._own_pace())
+
+    def _keep_pace(self, worker, pipeline, following: bool) -> list[int]:
+        """After an inner step: the steps of the schedule it passed. That step and, while we
+        follow the others (``peer.pace``), up to the start step of a sync whose group has
+        formed: they hand over their pseudo-gradients now, so we hand over ours, with the steps
+        we managed. (Also when matchmaking left us alone, or failed: nothing is to be waited
+        for, and landing now readies us for the fragment's next round.)"""
+        passed = [worker.step]
+        if not following:
+            return passed
+        target = worker.step
+        for f in pipeline.forming():
+            if f.handle[0].done():
+                target = max(target, f.starts_after)
+        if target > worker.step and not self.stats.steps_skipped:
+            log.info("slower than the swarm: starting our syncs when the others do step=%d to=%d",
+                     worker.step, target)
+        while worker.step < target:
+            worker.step += 1
+            self.stats.steps_skipped += 1
+            passed.append(worker.step)
+        return passed
+
+    def _submit_forming(self, fragment: int, round_: int, weight: float, follow: tuple[float, float] | None = None
+                        ) -> tuple[Any, float]:
+        """Join (fragment, round)'s matchmaking now, ahead of its start: -> (the group's future,
+        weight). With ``follow = (seconds, tokens per second)``, join when another peer has
+        joined it, or after that long, with the weight grown by what we train meanwhile."""
         numel = self.worker.outer[fragment].global_flat.numel()
-        return self.net.submit(self._form_group(fragment, round_, float(weight), numel)), float(weight)
+        return self.net.submit(self._form_group(fragment, round_, float(weight), numel, follow)), float(weight)
 
     def _submit_sync(self, fragment: int, round_: int, delta: torch.Tensor, weight: int,
                      forming: Forming | None) -> tuple[Any, torch.Tensor, int]:
@@ -68,9 +112,20 @@ class SyncMixin:
             log.info("started fragment %d round %d early (pause or finish): its group was forming",
                      f.fragment, f.round)
 
-    async def _form_group(self, fragment: int, round_: int, weight: float, numel: int):
+    async def _form_group(self, fragment: int, round_: int, weight: float, numel: int,
+                          follow: tuple[float, float] | None = None):
         codec = self.signed.manifest.train.sync.codec
-        delay = await self.matchmaker.align_delay(fragment, round_, numel)
+        if follow is not None:  # slower than the swarm: join when the others do (peer.pace)
+            t0 = time.monotonic()
+            seen = await self.matchmaker.wait_for_others(fragment, round_, numel, follow[0])
+            if seen == "late":  # averaging alone now, we are ready when they join the next round
+                log.info("the others' group of fragment=%d round=%d closed before we came: averaging alone, "
+                         "to meet them at the next round", fragment, round_)
+                return None
+            weight = min(weight + follow[1] * (time.monotonic() - t0), self.matchmaker.max_weight)
+        # a follower timed its join to the others' already; anyone else that averaged alone
+        # last round and was ahead then waits for those it missed
+        delay = 0.0 if follow is not None else await self.matchmaker.align_delay(fragment, round_, numel)
         if delay > 0:  # we are ahead of peers we missed last round: meet them this time
             log.info("waiting to meet peers that reach this round later fragment=%d round=%d delay_s=%.2f",
                      fragment, round_, delay)
@@ -83,8 +138,10 @@ class SyncMixin:
         one formed now; None means average alone."""
         if group is None:
             group = await self._form_group(fragment, round_, float(weight), delta.numel())
-        else:
+        else:  # formed ahead: we carry the weight we joined with
             group = await asyncio.wrap_future(group)
+            if group is not None:
+                weight = group.weights[group.members.index(self.identity.public_key)]
         if group is None:
             return None
         if _fault_due(fragment, round_):  # tests: vanish mid-round, as with kill -9
@@ -111,10 +168,12 @@ class SyncMixin:
             if result is None:
                 reason = "no group formed: averaged alone"
         except Exception as e:  # a failed round must not stop training: average alone
+            fut.cancel()  # timed out: it must not go on and average later, with what we no longer hold
             log.warning("sync failed fragment=%d round=%d reason=%r; applying own update", fragment, round_, e)
             result, reason = None, f"all-reduce failed: {e!r}"
         waited = time.perf_counter() - t0
         self.stats.waited_s += waited
+        self.stats.waits.append((fragment, round_, waited))
         self.stats.syncs += 1
         outcome = None if result is None else result[0]
         if outcome is None:

@@ -23,7 +23,7 @@ def main() -> None:
                                client_mode=True)) as net:
         # the target's relay reservations are made within a minute of its start (libp2p's
         # autorelay, once it has four relay candidates); try until then
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 150  # within test_relay's own wait for this process
         while not (connected := net.call(net.connect_relayed(target, maddrs), timeout=60)):
             if time.monotonic() > deadline:
                 break

@@ -117,13 +117,27 @@ def fault(av, behaviour: str) -> None:
     resend it when K reports lacking it: the others must forward it); ``late:K`` pushes
     its slice to reducer K only after the push deadline (K drops it as late); ``equivocate:K``
     sends member K its reduced part x1000, validly signed, and everyone else the true one;
-    ``honest`` none."""
+    ``lose:first`` loses the first stream each peer opens to it, as the libp2p daemon can
+    (the frame is never read, so never acknowledged: ``peer.outbox``); ``honest`` none."""
     import asyncio
 
     av._deliver = type(av)._deliver.__get__(av)  # undo a fault of the previous command
+    av._on_frame = type(av)._on_frame.__get__(av)
     if behaviour == "honest":
         return
     kind, k = behaviour.split(":")
+    if kind == "lose":
+        lost: set[str] = set()
+        on_frame = av._on_frame
+
+        def lossy(peer_id, data):
+            if peer_id not in lost:
+                lost.add(peer_id)
+                raise ConnectionResetError("lost in transit (a test's fault)")
+            return on_frame(peer_id, data)
+
+        av._on_frame = lossy
+        return
     target, deliver = int(k), av._deliver
 
     async def faulty(rnd, j, frames, deadline, sent, drop_on_failure):
@@ -416,6 +430,27 @@ def test_asymmetric_drops_are_repaired_within_the_round_so_every_member_lands_th
         assert elapsed < (1 + RESULT_GRACE) * deadline + 2.0, "the agreement did not wait for the deadline"
     assert 1 in replies[3][7]["repaired"] and 0 in replies[2][7]["repaired"]
     assert any("forwarding reduced part" in ln for r in replies for ln in r[6])
+
+
+def test_a_stream_lost_in_transit_is_sent_again_and_the_round_completes_long_before_its_deadline(swarm):
+    """Member 2 loses the first stream every other member opens to it (pushes for its part, or
+    its reduced parts), as the bundled libp2p daemon does now and then with a stream written and
+    closed at once. Unacknowledged, each is sent again: nobody is dropped, every member lands
+    the full average, and the round takes seconds, not the deadline."""
+    peers = swarm(4)
+    weights = [1.0, 2.0, 3.0, 4.0]
+    deadline = 12.0
+    fields = group_fields(peers, weights, "fp32", group_id=b"lost-stream".ljust(16, b"\0"), deadline_s=deadline)
+    for i, p in enumerate(peers):
+        p.cmd.put(("allreduce", fields, 450 + i, "lose:first" if i == 2 else "honest"))
+    replies = [p.reply() for p in peers]
+    ref, _ = simulated_allreduce([make_vector(450 + i) for i in range(4)], weights, get_codec("fp32"), CLIP)
+    for i, (kind, avg, dropped, fallback, _, elapsed, lines, more) in enumerate(replies):
+        assert kind == "done" and dropped == () and fallback == (), (i, dropped, fallback, lines)
+        assert torch.equal(as_tensor(avg), ref), f"member {i} landed another average: {lines}"
+        assert more["agreed"] and elapsed < deadline / 2, (i, elapsed, lines)
+    resent = [ln for r in replies for ln in r[6] if "sending them again" in ln]
+    assert len(resent) >= 3, resent  # each of the three others had a stream to 2 lost
 
 
 def test_a_reducer_that_sends_one_member_another_mean_is_proven_to_and_falls_back_on_every_member(swarm):

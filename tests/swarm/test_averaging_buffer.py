@@ -7,6 +7,7 @@ import pytest
 
 from peer.allreduce import Averager, chunk_elements
 from peer.inbox import ITEM_OVERHEAD, FrameTooLarge, read_frame
+from peer.outbox import ACK, MAX_UNREAD_ACKS
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.messages_swarm import PushSlice
@@ -99,7 +100,17 @@ class Info:
 
 
 class Writer:
-    closed = False
+    """The stream's way back: the acknowledgements written (nobody reads them here)."""
+
+    def __init__(self, unread: int = 0):
+        self.closed, self.acks, self.unread = False, b"", unread
+        self.transport = self
+
+    def write(self, data: bytes) -> None:
+        self.acks += data
+
+    def get_write_buffer_size(self) -> int:
+        return self.unread + len(self.acks)
 
     def close(self):
         self.closed = True
@@ -119,7 +130,9 @@ def test_a_peer_gets_a_bounded_number_of_streams_and_a_stream_that_ends_releases
         data = frame(b"o" * 16, signer=other)
         r.feed_data(len(data).to_bytes(8, "big") + data)
         r.feed_eof()
-        await asyncio.wait_for(av._handle_stream(Info(other), r, Writer()), 1)
+        w = Writer()
+        await asyncio.wait_for(av._handle_stream(Info(other), r, w), 1)
+        assert w.acks == ACK  # the frame was read: acknowledged (peer.outbox)
         assert av.pending.peer_bytes(other.peer_id) == 8 + len(data) + 2 * ITEM_OVERHEAD  # the frame, its stream's end
         readers[0].feed_eof()  # a stream that ends frees its slot
         await asyncio.wait_for(tasks[0], 1)
@@ -127,6 +140,23 @@ def test_a_peer_gets_a_bounded_number_of_streams_and_a_stream_that_ends_releases
         readers[1].feed_eof()
         await asyncio.wait_for(tasks[1], 1)
         assert av._gate.streams(liar.peer_id) == 0
+
+    asyncio.run(main())
+
+
+def test_a_sender_that_does_not_read_its_acknowledgements_gets_its_stream_closed():
+    """Each frame read is answered with a byte; a sender that never reads them would grow our
+    write buffer without bound, so past MAX_UNREAD_ACKS its stream is closed."""
+    av = averager()
+
+    async def main():
+        r = asyncio.StreamReader()
+        for i in range(3):
+            data = frame(bytes([i]) * 16)
+            r.feed_data(len(data).to_bytes(8, "big") + data)
+        w = Writer(unread=MAX_UNREAD_ACKS)  # what it left unread so far
+        await asyncio.wait_for(av._handle_stream(Info(SENDER), r, w), 1)  # returns with frames left unread
+        assert w.closed and w.acks == ACK and len(r._buffer) > 0
 
     asyncio.run(main())
 

@@ -257,3 +257,43 @@ def test_a_peer_that_lost_every_peer_reconnects_through_its_bootstrap_peer(tmp_p
     _, ev = events.wait_for(lambda i, ev: i == 0 and ev.get("event") == "state_synced")
     events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "synced" and not ev["alone"])
     assert "reconnected through the bootstrap peers" in (tmp_path / "peer1.log").read_text()
+
+
+def test_a_peer_at_a_third_of_the_speed_averages_in_the_others_groups_with_the_steps_it_managed(tmp_path, demos):
+    """Peer 2 trains a third of the time (its volunteer setting compute.duty_cycle). Counting
+    rounds on its own steps, it would reach each round three times as late, find every group
+    gone and average alone. It finds itself slower than the swarm (peer.pace), joins each
+    round when the others do and hands over its pseudo-gradient when their group has formed,
+    with the inner steps it managed (a smaller weight): it averages in the others' groups."""
+    from peer.settings_store import save_settings
+    from protocol.config import DataConfig, InnerConfig, SyncConfig, TrainConfig, model_preset
+    from protocol.manifest import RunManifest, SwarmConfig, sign_manifest
+    from protocol.settings import ClientSettings, ComputeSettings, Settings
+
+    creator = load_or_create_identity(tmp_path / "creator.key")
+    train = TrainConfig(model=model_preset("tiny"), data=DataConfig(source="stdlib"),
+                        inner=InnerConfig(lr=3e-3, warmup_steps=20, total_steps=2000, batch_size=8),
+                        sync=SyncConfig(inner_steps=40, fragments=2, overlap=1, alpha=0.5, codec="fp4"))
+    swarm = SwarmConfig(group_size=8, matchmaking_timeout_s=5.0, allreduce_timeout_s=20.0,
+                        heartbeat_interval_s=3.0, heartbeat_ttl_s=10.0)
+    manifest = sign_manifest(RunManifest(name="a slow peer", description="tests/swarm/test_node.py", train=train,
+                                         swarm=swarm, creator=creator.public_key, created_at=time.time()), creator)
+    save_settings(tmp_path / "peer2.toml", Settings(compute=ComputeSettings(duty_cycle=0.34),
+                                                    client=ClientSettings(confirmed=True)))
+    events = Events()
+    demo = Demo(3, rounds=None, workdir=tmp_path, on_event=events, manifest=manifest)
+    demos.append(demo)
+    demo.start()
+    # the slow peer lands a round in one group with both others (it starts out behind them)
+    events.wait_for(lambda i, ev: i == 2 and ev.get("event") == "synced" and ev["round"] >= 2
+                    and ev["group_size"] == 3 and not ev["alone"], timeout=300)
+    for i in range(3):
+        call(demo.control_path(i), FinishAndStop)
+    summary = demo.wait()
+    assert summary["errors"] == [] and summary["finished"] == 3
+    fast, slow = [demo.summaries[0], demo.summaries[1]], demo.summaries[2]
+    print(f"slow peer: {slow['steps_trained']} steps trained, its counter moved on {slow['steps_skipped']}, "
+          f"{slow['syncs'] - slow['syncs_alone']} of {slow['syncs']} syncs in a group; "
+          f"fast peers: {[s['steps_trained'] for s in fast]} steps trained")
+    assert slow["steps_skipped"] > 0, "the slow peer never started a sync when the others did"
+    assert slow["steps_trained"] < 0.8 * min(s["steps_trained"] for s in fast)  # it trained fewer steps

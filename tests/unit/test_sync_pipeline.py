@@ -28,6 +28,20 @@ def test_a_pause_between_start_and_landing_then_resume_lands_each_sync_once():
     assert [(s.fragment, s.round) for s in pipe.due(5)] == [(1, 0)]
 
 
+def test_a_sync_whose_result_is_not_there_waits_past_its_landing_step_but_not_past_its_next_start():
+    """A node that follows the others (peer.pace) trains on when a result is late: with
+    ``ready``, a due sync stays in flight until ready says so, or until its fragment starts
+    its next round (a round lands before the next one of its fragment starts)."""
+    pipe = SyncPipeline(SyncSchedule(inner_steps=4, fragments=1, overlap=1))
+    pipe.start(0, 0, 4, "h0")
+    assert pipe.due(5, ready=lambda s: False) == []  # due, not there: train on
+    assert pipe.due(6, ready=lambda s: False) == []
+    assert [s.handle for s in pipe.due(8, ready=lambda s: False)] == ["h0"]  # round 1 starts after 8
+    pipe.start(0, 1, 8, "h1")
+    assert [s.handle for s in pipe.due(9, ready=lambda s: s.handle == "h1")] == ["h1"]
+    assert pipe.due(10) == []
+
+
 def test_a_download_with_syncs_in_flight_and_a_second_round_of_a_fragment_in_flight_are_refused():
     pipe = SyncPipeline(SyncSchedule(inner_steps=4, fragments=1, overlap=2))
     pipe.start(0, 0, 4, None)
@@ -98,6 +112,7 @@ class Pipeline(RuleBasedStateMachine):
         self.pipe: SyncPipeline | None = None
         self.step = 0
         self.paused = False
+        self.late_ok = False  # the last step kept a due sync whose result was not there
         self.started: dict[int, tuple[int, int, int]] = {}  # id -> (fragment, round, landing step)
         self.rounds_started: set[tuple[int, int]] = set()
         self.ended: dict[int, str] = {}  # id -> how it ended: landed, drained, abandoned
@@ -128,18 +143,24 @@ class Pipeline(RuleBasedStateMachine):
             assert f.starts_after > self.step
             self._start(f.fragment, f.round)
 
-    @rule(lead=st.integers(0, 15))
+    @rule(lead=st.integers(0, 15), ready=st.sampled_from([None, True, False]))
     @precondition(lambda self: self.pipe is not None and not self.paused and not self.pipe.closed)
-    def inner_step(self, lead):
+    def inner_step(self, lead, ready):
+        """One step, landing before starting (as the node does). ``ready``: None lands what is
+        due; True/False is what a follower's "is its result there" says for every due sync."""
         self.step += 1
-        for p, r, forming in self.pipe.starts(self.step):
-            assert p not in self.pipe  # tau < H/P: a fragment's round ends before its next starts
-            assert forming is None or (forming.round, forming.starts_after) == (r, self.step)
-            self._start(p, r)
-        due = self.pipe.due(self.step)
-        for s in due:
-            assert s.lands_after <= self.step and self.started[s.handle][2] == s.lands_after
-        self._land(due, "landed")
+        self.late_ok = ready is False  # a follower may keep a due sync whose result is not there
+        check = None if ready is None else (lambda s: ready)
+        for when in ("before", "after"):  # a round lands before its fragment's next one starts,
+            due = self.pipe.due(self.step, check)  # and with tau = 0 right after it started
+            for s in due:
+                assert s.lands_after <= self.step and self.started[s.handle][2] == s.lands_after
+            self._land(due, "landed")
+            if when == "before":
+                for p, r, forming in self.pipe.starts(self.step):
+                    assert p not in self.pipe  # a fragment's round lands before its next one starts
+                    assert forming is None or (forming.round, forming.starts_after) == (r, self.step)
+                    self._start(p, r)
         for p, r, at in self.pipe.joins(self.step, lead):
             assert self.step < at <= self.step + lead and (p, r) not in self.rounds_started
             self.pipe.form(p, r, self.step, at, ("forming", p, r))
@@ -202,7 +223,11 @@ class Pipeline(RuleBasedStateMachine):
         assert flying | set(self.ended) == set(self.started)
         fragments = [s.fragment for s in self.pipe.in_flight()]
         assert len(fragments) == len(set(fragments))
-        assert all(s.lands_after > self.step for s in self.pipe.in_flight())  # nothing overdue is kept
+        # nothing overdue is kept, but by a follower whose result is not there, and never past
+        # the step its fragment starts its next round
+        assert self.late_ok or all(s.lands_after > self.step for s in self.pipe.in_flight())
+        assert all(self.schedule.next_start(s.fragment, s.started_after + 1) > self.step
+                   for s in self.pipe.in_flight())
         assert all(f.starts_after > self.step for f in self.pipe.forming())  # nothing forms for a past start
         if self.pipe.closed or self.paused:
             assert not self.pipe

@@ -274,6 +274,7 @@ FIELDS = [
     ("compute", "gpu_memory_fraction", "GPU memory fraction (0.05-1)", "float"),
     ("compute", "max_batch_size", "max sequences per forward pass (0 = the run's)", "int"),
     ("compute", "cpu_threads", "CPU threads (0 = default)", "int"),
+    ("compute", "duty_cycle", "share of the time training (0.05-1)", "float"),
     ("network", "max_upload_mbps", "upload cap, Mbit/s (0 = none)", "float"),
     ("network", "max_download_mbps", "download cap, Mbit/s (0 = none)", "float"),
     ("schedule", "only_when_idle", "only when the machine is idle", "bool"),

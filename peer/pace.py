@@ -1,0 +1,105 @@
+"""The swarm's pace, from peers' heartbeats: whether this node is slower than the others, and
+so follows their rounds (sans-IO).
+
+Rounds are counted on a node's step counter (round r of fragment p starts after step
+``offset_p + r*H``), and peers meet by (fragment, round). A peer whose inner steps take twice
+as long reaches each round twice as late; it would find every group gone, average alone and
+be repaired from the others, contributing nothing. Instead, a node slower than the swarm
+follows the others' rounds:
+
+- it joins the group of a fragment's next round when another peer has joined it (it polls
+  the round's joins once its previous round of that fragment has landed; the others join
+  about the time a group takes to form before they start), or by its own schedule if nobody
+  does;
+- when that group has formed, the others are about to hand over their pseudo-gradients, so
+  it moves its step counter on to the sync's start step and hands over its own at once, with
+  the steps it managed.
+
+Its pseudo-gradient covers fewer inner steps, and its weight (the tokens it trained since its
+last sync, which the group weights the average by) is smaller in the same proportion. A peer
+at half the speed contributes about half the tokens of each round, in the same groups as
+everyone else, and the others do not wait for it: a group forms when the fast peers'
+schedule says, and the slow one is in it.
+
+Who is slower: a node compares its own pace (inner steps per second of compute and rest, its
+waits on the network left out) with the swarm's (the median, over peers that are training, of
+the inner steps each one trained per second between its last two heartbeats, waits included).
+Below ``SLOW_BELOW`` of it the node is slow, until it is back above ``FAST_ABOVE`` (so it does not
+flap). A peer as fast as the others is never slow by this test, since its waits lower the
+swarm's pace and not its own, so it never moves its counter: only the slow one adapts, and a
+swarm of equals runs exactly its schedule.
+
+One peer lying about its pace does not move a median; a liar in a swarm of two (or a colluding
+majority) can make a node a follower, which then trains fewer steps per round but still
+averages them with their true weight; it moves its counter only to the start of a round whose
+group has formed with it, less than a round ahead. A node only ever moves on,
+never back: a node ahead of the others waits for them at matchmaking
+(``peer.matchmaking.Matchmaker.align_delay``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+SLOW_BELOW = 0.75  # of the swarm's pace: below it a node is slow ...
+FAST_ABOVE = 0.9  # ... until it is back above this
+TRAINING = frozenset({"training", "averaging", "finishing"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    sent_at: float
+    tokens: int
+    pace: float | None  # inner steps trained per second between its last two heartbeats, if known
+
+
+class SwarmClock:
+    """Peers' heartbeats over time: the swarm's pace, and whether we are slower."""
+
+    def __init__(self, heartbeat_interval_s: float, tokens_per_step: int):
+        self.interval_s = heartbeat_interval_s
+        self.tokens_per_step = tokens_per_step
+        self._seen: dict[bytes, _Seen] = {}
+        self._slow = False
+
+    def observe(self, key: bytes, sent_at: float, tokens: int, state: str, tokens_per_s: float = 0.0) -> None:
+        """One heartbeat read from the DHT (a read may return the same heartbeat again). A
+        peer's pace is the inner steps it *trained* per second between its last two heartbeats
+        (its tokens over the run's tokens per step), not how far its step counter moved: a
+        follower moves its counter faster than it trains, and counting that would make the
+        others look slow to themselves and follow in turn. Until its second heartbeat, the
+        tokens per second it reports (since it started training, waits included)."""
+        if state not in TRAINING:
+            self._seen.pop(key, None)  # paused, joining, leaving: its pace is not the swarm's
+            return
+        old = self._seen.get(key)
+        if old is not None and sent_at <= old.sent_at:
+            return  # the same heartbeat again, or an older one
+        pace = tokens_per_s / self.tokens_per_step if old is None and tokens_per_s > 0 else None
+        if old is not None and sent_at - old.sent_at >= 0.5 * self.interval_s and tokens >= old.tokens:
+            pace = (tokens - old.tokens) / self.tokens_per_step / (sent_at - old.sent_at)
+        elif old is not None and tokens >= old.tokens:
+            pace = old.pace  # too close to the last one to measure: keep the last measure
+        self._seen[key] = _Seen(sent_at, tokens, pace)
+
+    def forget(self, keys) -> None:
+        for k in keys:
+            self._seen.pop(k, None)
+
+    def swarm_pace(self) -> float | None:
+        """The median pace of the peers that have one (steps per second)."""
+        paces = [s.pace for s in self._seen.values() if s.pace is not None]
+        return statistics.median(paces) if paces else None
+
+    def is_slow(self, own_pace: float | None) -> bool:
+        """Whether a node training at ``own_pace`` steps per second (its waits left out) is
+        slower than the swarm (with hysteresis: the answer is kept between the two bounds)."""
+        swarm = self.swarm_pace()
+        if not own_pace or not swarm:
+            self._slow = False
+        elif own_pace < SLOW_BELOW * swarm:
+            self._slow = True
+        elif own_pace > FAST_ABOVE * swarm:
+            self._slow = False
+        return self._slow
