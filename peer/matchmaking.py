@@ -45,8 +45,10 @@ them. Peers that drifted apart in time (a pause, a restart, a slow step) by more
 land in separate batches, average alone, and, with equal round times, would stay apart for
 ever. So a peer that averaged alone looks, at its next round of that fragment, at when the
 others joined the round it spent alone (``align_delay``): if they joined later, it waits that
-long (at most ``T``) before joining, and the two meet from then on (any group we form, of
-any fragment, puts us back in step, and clears what we noted). Only the peer ahead
+long (at most ``T``; the rest at the round after) before joining, and the two meet from then
+on (any group we form, of any fragment, puts us back in step, and clears what we noted). A
+peer about a whole round behind joins our lonely round only about when we join the next one,
+too late to be read then: the lonely round before it tells the same offset. Only the peer ahead
 waits; one behind cannot speed up. The lone rounds leave the two with different copies,
 which the node's repair settles (``peer.node.catchup``: the side most peers hold, or the
 smallest key's, taken at the rounds the taker is at).
@@ -104,6 +106,7 @@ SETTLE_MAX_S = 2.0
 JOIN_TTL_FACTOR = 2.0  # joins outlive every window they can be part of
 CLOCK_SKEW_S = 30.0
 FORMATION_MARGIN_S = 1.0  # for the DHT round trips of forming a group, on top of the windows
+ALIGN_HISTORY = 3  # lonely rounds of a fragment whose join times align_delay looks back on
 
 
 def joins_key(run_id: bytes, fragment: int, round: int) -> str:
@@ -186,7 +189,8 @@ class Matchmaker:
         self.span_s = SPAN_FRACTION * t
         self.settle_s = min(SETTLE_FRACTION * t, SETTLE_MAX_S)
         self.join_ttl_s = JOIN_TTL_FACTOR * t
-        self._alone: dict[int, tuple[int, float]] = {}  # fragment -> (round, our join time) we averaged alone
+        self._alone: dict[int, dict[int, float]] = {}  # fragment -> {round we averaged alone: our join time}
+        self._waited: dict[int, dict[int, float]] = {}  # fragment -> {round: how long we waited to join it}
 
     def formation_s(self) -> float:
         """About how long ``form_group`` takes for peers that join together: the batch gap and
@@ -263,6 +267,7 @@ class Matchmaker:
 
     def _group(self, f: GroupFormed) -> Group:
         self._alone.clear()  # we are in step with a group again: old offsets no longer apply
+        self._waited.clear()
         return Group(run_id=self.run_id, fragment=f.fragment, round=f.round, group_id=bytes(f.group_id),
                      members=tuple(bytes(m) for m in f.members), weights=tuple(f.weights), numel=f.numel,
                      codec=f.codec, deadline_s=f.deadline_s)
@@ -300,14 +305,29 @@ class Matchmaker:
                           now: Callable[[], float] = get_dht_time) -> float:
         """How long to wait before joining ``round`` so as to meet the peers that joined our
         previous, lonely round of this fragment later than we did (0: we were not alone, or
-        nobody came later). Bounded by ``matchmaking_timeout_s``."""
-        alone = self._alone.pop(fragment, None)
-        if alone is None or alone[0] != round - 1:
-            return 0.0
-        joins = await self._read_joins(fragment, round - 1, numel, now())
+        nobody came later). Bounded by ``matchmaking_timeout_s``.
+
+        A peer about a round behind joins our previous round about when we join this one, so
+        its join may not be readable yet: then the lonely round before tells the same offset
+        (less what we waited since). Without that, two peers a round apart would never meet."""
+        alone = self._alone.get(fragment, {})
+        waited = self._waited.setdefault(fragment, {})
         me = self.identity.public_key
-        later = [j.joined_at - alone[1] for k, j in joins.items() if k != me and j.joined_at > alone[1]]
-        return min(max(later), self.swarm.matchmaking_timeout_s) if later else 0.0
+        delay = 0.0
+        q = round - 1
+        while q in alone and q > round - 1 - ALIGN_HISTORY:  # our lonely rounds, latest first, back to back
+            others = [j.joined_at for k, j in (await self._read_joins(fragment, q, numel, now())).items() if k != me]
+            if others:
+                if later := [t - alone[q] for t in others if t > alone[q]]:
+                    delay = max(later) - sum(waited.get(x, 0.0) for x in range(q + 1, round))
+                break
+            q -= 1  # nobody's join of that round readable yet: look one round further back
+        delay = min(max(delay, 0.0), self.swarm.matchmaking_timeout_s)
+        waited[round] = delay
+        for notes in (alone, waited):
+            for old in [x for x in notes if x <= round - ALIGN_HISTORY]:
+                del notes[old]
+        return delay
 
     async def form_group(self, fragment: int, round: int, weight: float, numel: int, codec: str, *,
                          now: Callable[[], float] = get_dht_time) -> Group | None:
@@ -371,7 +391,7 @@ class Matchmaker:
                 return self._group(found)
             if now() >= give_up:
                 log.info("no group fragment=%d round=%d: averaging alone this round", fragment, round)
-                self._alone[fragment] = (round, t_me)
+                self._alone.setdefault(fragment, {})[round] = t_me
                 return None
             await asyncio.sleep(max(0.0, min(delay, give_up - now())))
             delay = min(2 * delay, self.poll_s)

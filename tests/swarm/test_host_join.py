@@ -113,6 +113,8 @@ def running():
     yield start
     for r in started:
         r.kill()
+        # shown with a failure: what each command said last (the other side of a failed wait)
+        print(f"--- {' '.join(r.proc.args[1:3])}: last lines ---", *r.lines[-40:], sep="\n")
 
 
 def status(home: Path) -> dict:
