@@ -107,7 +107,7 @@ __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_ele
 
 log = logging.getLogger(__name__)
 
-HANDLER_PREFIX = "swarmstream-avg-v2-"  # v2: each frame is acknowledged (peer.outbox)
+HANDLER_PREFIX = "swarmstream-avg-v3-"  # v2: each frame is acknowledged (peer.outbox); v3: reports carry norms
 CHUNK_ALIGN = 256  # elements: a multiple of every codec's block (int8: 256, fp4: 32)
 _HEAD_ROOM = 4096  # bytes of a frame that are not payload: envelope and message heads
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
@@ -468,9 +468,12 @@ class Averager:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-        # a part nobody forwarded to us, nor holds: its reducer failed every member alike; or a
-        # part whose reducer we proved sent different means (every member that holds the proof)
-        fallback = tuple(j for j in range(rnd.n) if rnd.size(j) and (not rnd.holds(j) or j in rnd.convicted))
+        # a part nobody forwarded to us, nor holds: its reducer failed every member alike; a
+        # part whose reducer we proved sent different means (every member that holds the proof);
+        # or one far larger than its contributions allow (every member, from the same reports)
+        implausible = rnd.implausible()
+        fallback = tuple(j for j in range(rnd.n)
+                         if rnd.size(j) and (not rnd.holds(j) or j in rnd.convicted or j in implausible))
         for j in fallback:
             s, e = rnd.bounds[j]
             rnd.result[s:e] = vec[s:e]
@@ -496,7 +499,7 @@ class Averager:
         rnd.agreeing = True
         rnd.reported = rnd.digests()
         report = PartsHeld(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id,
-                           digests=rnd.reported)
+                           digests=rnd.reported, norms=rnd.norms)
         frames = [seal_parts(report, self.identity)]
         for i in range(rnd.n):
             if i != rnd.me and not rnd.dropped.get(i, "").startswith("unreachable"):

@@ -36,7 +36,7 @@ from typing import Any
 import msgpack
 import torch
 
-from protocol.butterfly import clip_scales, slice_bounds, slice_norm
+from protocol.butterfly import clip_scales, mean_norm_bound, slice_bounds, slice_norm
 from protocol.codecs import Codec
 from protocol.envelope import Verified
 from protocol.evidence import equivocation, offence
@@ -88,6 +88,7 @@ class Round:
         self.peer_ids = [peer_id_from_public_key(k) for k in group.members]
         self.index = {p: i for i, p in enumerate(self.peer_ids)}
         self.vector = vector  # (numel,) fp32, our own values
+        self.norms = tuple(slice_norm(vector[a:b]) for a, b in self.bounds)  # of our slice of each part, reported
         self._seen: set[tuple] = set()  # (member, kind, part, offset, payload digest) of frames taken
         self.result = torch.empty(group.numel, dtype=torch.float32)
         self.dropped: dict[int, str] = {}  # member -> reason
@@ -107,6 +108,7 @@ class Round:
         self.frames: dict[int, list[Frame]] = {}  # part -> its signed frames, to forward
         # agreement: reports by member, parts forwarded to us (part, forwarder) -> chunks
         self.reports: dict[int, tuple[bytes, ...]] = {}
+        self.report_norms: dict[int, tuple[float, ...]] = {}  # member -> its slices' norms, as it reported them
         # (part, forwarder) -> [(offset, numel, frame, payload digest, contributors, payload)]
         self.repairs: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
         self.repaired: set[int] = set()
@@ -357,6 +359,8 @@ class Round:
         if i in self.reports:
             return  # one report per member and round
         self.reports[i] = tuple(bytes(d) for d in msg.digests)
+        if len(msg.norms) == self.n:  # else it told us nothing about its slices: it bounds no part
+            self.report_norms[i] = tuple(msg.norms)
         self.changed.set()
 
     def _check_slice(self, msg: PushSlice | SliceAveraged, part: int, covered: int) -> None:
@@ -418,6 +422,27 @@ class Round:
         self.got[j] += msg.numel
         if self.agreeing and self.got[j] == self.size(j):
             self.repaired.add(j)  # resent by its reducer after our report said we lacked it
+
+    def implausible(self) -> list[int]:
+        """Parts we hold whose mean is larger than its contributors' reported norms allow
+        (``protocol.butterfly.mean_norm_bound``): a reducer that scaled its mean up, or sent
+        another, by much. Every member that holds the same frames and reports decides alike,
+        and falls back on the part (a lie we cannot prove: the pushes are not ours to show,
+        so no one is banned for it)."""
+        norms = {**self.report_norms, self.me: self.norms}
+        out = []
+        for j in range(self.n):
+            if not self.holds(j) or j in self.convicted:
+                continue
+            others = [i for i in self.contributors[j] if i != j] or [i for i in range(self.n) if i != j]
+            bound = mean_norm_bound([norms[i][j] for i in others if i in norms], self.clip)
+            s, e = self.bounds[j]
+            if bound is not None and (norm := slice_norm(self.result[s:e])) > bound:
+                log.warning("reduced part too large to be a mean of its contributions norm=%.3g bound=%.3g "
+                            "part=%d reducer=%s group=%s: falling back on it", norm, bound, j, self.peer_ids[j],
+                            self.group.group_id.hex())
+                out.append(j)
+        return out
 
     # --- the reduction ------------------------------------------------------------------
 

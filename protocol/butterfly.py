@@ -51,6 +51,26 @@ def slice_norm(x: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x, dtype=torch.float64))
 
 
+MEAN_SLACK = 2.0
+"""Room in ``mean_norm_bound`` for the codec's rounding of the pushes and of the mean."""
+
+
+def mean_norm_bound(others: Sequence[float], clip: float) -> float | None:
+    """How large the norm of a reduced part can be, given the norms that its contributors other
+    than its reducer report for their own slices of it (``others``; or, when the reducer
+    counted nobody else, every other member's): None when nothing bounds it (no clipping, or
+    no such report). Each contribution is scaled to at most ``clip`` times the lower median of
+    all contributions' norms, and that lower median is at most the largest norm of a
+    contributor other than the reducer (at least two norms are at or above a lower median).
+    A weighted mean is no larger than its largest term, so an honest reducer's mean stays
+    within ``max(1, clip) * max(others)``, times ``MEAN_SLACK`` for rounding. A reducer's own
+    norm is its word and is left out; a member that under-reports can make an honest part
+    look too large, which makes every member fall back on it alike, nothing more."""
+    if not clip or not others:
+        return None
+    return MEAN_SLACK * max(1.0, clip) * max(others)
+
+
 def clip_scales(norms: Sequence[float], clip: float) -> list[float]:
     """Per contribution, the factor (at most 1) that brings its norm down to ``clip`` times the
     lower median of ``norms``; all 1.0 when ``clip`` is 0 (the plain mean) or for one norm."""

@@ -231,6 +231,11 @@ class PartsHeld(Message):
     round: Round
     group_id: GroupId
     digests: Annotated[tuple[bytes, ...], Seq(Bytes((0, DIGEST_BYTES)), min_len=1, max_len=MAX_GROUP_SIZE)]
+    norms: Annotated[tuple[float, ...], Seq(Float(0.0, 1.7e308), max_len=MAX_GROUP_SIZE)] = ()
+    """The L2 norm of this member's own slice of each part (its contribution to that part's
+    reducer), or empty. With the others' reports it bounds how large a reduced part can be
+    (``protocol.butterfly.mean_norm_bound``): a reducer returning a far larger mean is not
+    believed."""
 
 
 # ---------------------------------------------------------------------------------------

@@ -118,14 +118,21 @@ def fault(av, behaviour: str) -> None:
     its slice to reducer K only after the push deadline (K drops it as late); ``equivocate:K``
     sends member K its reduced part x1000, validly signed, and everyone else the true one;
     ``lose:first`` loses the first stream each peer opens to it, as the libp2p daemon can
-    (the frame is never read, so never acknowledged: ``peer.outbox``); ``honest`` none."""
+    (the frame is never read, so never acknowledged: ``peer.outbox``); ``inflate:F`` reduces
+    its part as it should, then multiplies the mean by F before it encodes, signs, sends and
+    keeps it: one consistent lie, the same bytes for everyone; ``honest`` none."""
     import asyncio
 
     av._deliver = type(av)._deliver.__get__(av)  # undo a fault of the previous command
     av._on_frame = type(av)._on_frame.__get__(av)
+    av._encode = type(av)._encode.__get__(av)
     if behaviour == "honest":
         return
     kind, k = behaviour.split(":")
+    if kind == "inflate":  # as a reducer, our mean times k to everyone (and held so ourselves)
+        encode = av._encode
+        av._encode = lambda rnd, part, values: encode(rnd, part, values * float(k))
+        return
     if kind == "lose":
         lost: set[str] = set()
         on_frame = av._on_frame
@@ -475,6 +482,36 @@ def test_a_reducer_that_sends_one_member_another_mean_is_proven_to_and_falls_bac
         assert as_tensor(avg)[bounds[0][1]:].equal(as_tensor(honest[0][1])[bounds[0][1]:])  # parts 1-3 alike
         assert any("reducer equivocated" in ln for ln in lines)
         assert elapsed < (1 + RESULT_GRACE) * 3.0 + 2.0, "the proof did not come before the agreement's deadline"
+
+
+@pytest.mark.parametrize("factor", [1000.0, 1e30])
+def test_a_reducer_that_sends_everyone_one_inflated_mean_is_not_believed_by_anyone(swarm, factor):
+    """Member 1 returns its reduced part x1000 (or x1e30: finite, validly encoded and signed)
+    to every member alike, and holds it so itself: no two means to compare. Each member's
+    report carries the norms of its own slices, so every member knows how large a mean of
+    part 1 can be, finds it far larger, and falls back on it; the other parts land alike."""
+    peers = swarm(4)
+    fields = group_fields(peers, [1.0, 2.0, 1.0, 3.0], "fp4", group_id=b"inflate".ljust(16, b"\0"), deadline_s=3.0)
+    faults = {0: "honest", 1: f"inflate:{factor:g}", 2: "honest", 3: "honest"}
+    for i, p in enumerate(peers):
+        p.cmd.put(("allreduce", fields, 700 + i, faults[i]))
+    replies = [p.reply() for p in peers]
+    bounds = slice_bounds(NUMEL, 4)
+    honest = [replies[i] for i in (0, 2, 3)]
+    for kind, avg, dropped, fallback, _, _, lines, more in honest:
+        assert kind == "done" and fallback == (1,) and not dropped, (dropped, fallback, lines)
+        assert any("reduced part too large" in ln for ln in lines), lines
+        assert more["agreed"] and not more["offences"]  # one mean for all: nothing to prove, nobody banned
+        values = as_tensor(avg)
+        assert torch.isfinite(values).all()
+        for j in (0, 2, 3):  # the other parts: the same bytes on every honest member
+            s, e = bounds[j]
+            assert values[s:e].equal(as_tensor(honest[0][1])[s:e])
+    # the same round with member 1 honest: nobody falls back (the bound holds for true means)
+    for i, p in enumerate(peers):
+        p.cmd.put(("allreduce", dict(fields, group_id=b"inflate-no".ljust(16, b"\0")), 700 + i, "honest"))
+    for kind, _, dropped, fallback, _, _, lines, _ in (p.reply() for p in peers):
+        assert kind == "done" and fallback == () and not dropped, (fallback, lines)
 
 
 def _peer_id(public_key: bytes) -> str:

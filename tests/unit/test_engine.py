@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from peer.simulation import Simulation, SimulationConfig, allreduce
 from peer.worker import Worker, lr_at
-from protocol.butterfly import bytes_sent, clip_scales, slice_bounds
+from protocol.butterfly import bytes_sent, clip_scales, mean_norm_bound, slice_bounds, slice_norm
 from protocol.codecs import get_codec
 from protocol.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, SyncConfig, TrainConfig
 
@@ -153,3 +153,19 @@ def test_a_liar_in_the_simulated_allreduce_moves_the_clipped_mean_a_bounded_amou
         assert float((robust[s:e] - honest[s:e]).norm()) <= bound * (1 + 1e-5)
     same, _ = allreduce(vecs[:3], [1.0, 2.0, 3.0], codec, clip=2.0)  # honest: clipping changes no bit
     assert torch.equal(same, allreduce(vecs[:3], [1.0, 2.0, 3.0], codec)[0])
+
+
+@given(st.integers(0, 10_000), st.lists(st.floats(1e-3, 1e3), min_size=2, max_size=6),
+       st.sampled_from(["fp32", "fp4"]))
+def test_an_honest_clipped_mean_never_exceeds_the_bound_members_check_it_against(seed, scales, codec_name):
+    """Members of very different norms (1e-3 to 1e3 apart) and weights, any codec: each
+    reducer's mean stays within ``mean_norm_bound`` of the other contributors' norms, so no
+    honest part is ever refused."""
+    g = torch.Generator().manual_seed(seed)
+    vecs = [torch.randn(600, generator=g) * sc for sc in scales]
+    weights = [float(w) for w in torch.rand(len(vecs), generator=g) + 0.1]
+    mean, _ = allreduce(vecs, weights, get_codec(codec_name), clip=2.0)
+    for j, (s, e) in enumerate(slice_bounds(600, len(vecs))):
+        bound = mean_norm_bound([slice_norm(v[s:e]) for i, v in enumerate(vecs) if i != j], 2.0)
+        assert slice_norm(mean[s:e]) <= bound
+    assert mean_norm_bound([1.0], 0.0) is None  # the plain mean: nothing bounds it
