@@ -28,6 +28,10 @@ with one line that names the key and what to do, and is never overwritten by a p
     confirmed = false            # the volunteer agreed to contribute; until then the dashboard
                                  # starts nodes paused and explains what will happen
 
+    [metrics]
+    port = 0                     # a Prometheus endpoint at http://address:port/metrics (0: none);
+    address = "127.0.0.1"        # applies at the next start (peer.metrics lists what it serves)
+
 Sans-IO: parsing takes text, rendering returns text.
 """
 
@@ -47,11 +51,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["ClientSettings", "ComputeSettings", "NetworkSettings", "ScheduleSettings", "Settings", "in_window",
+__all__ = ["ClientSettings", "ComputeSettings", "MetricsSettings", "NetworkSettings", "ScheduleSettings", "Settings", "in_window",
            "parse_settings", "parse_window", "render_settings"]
 
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d{1,2})?")
 _WINDOW = re.compile(r"([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-3]):([0-5]\d)")
+_ADDRESS = re.compile(r"[0-9]{1,3}(\.[0-9]{1,3}){3}|[0-9a-fA-F:]{2,39}|localhost")  # IPv4, IPv6, localhost
 
 
 def parse_window(text: str) -> tuple[int, int] | None:
@@ -121,11 +126,24 @@ class ClientSettings:
 
 
 @dataclass(kw_only=True, slots=True)
+class MetricsSettings:
+    port: int = 0
+    address: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        _check(self.port == 0 or 1024 <= self.port <= 65535,
+               f"metrics.port must be 0 (no endpoint) or in [1024, 65535], got {self.port}")
+        _check(isinstance(self.address, str) and _ADDRESS.fullmatch(self.address) is not None,
+               f"metrics.address must be an IP address such as 127.0.0.1 or 0.0.0.0, got {self.address!r}")
+
+
+@dataclass(kw_only=True, slots=True)
 class Settings:
     compute: ComputeSettings = field(default_factory=ComputeSettings)
     network: NetworkSettings = field(default_factory=NetworkSettings)
     schedule: ScheduleSettings = field(default_factory=ScheduleSettings)
     client: ClientSettings = field(default_factory=ClientSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
     def replace(self, **changes: typing.Any) -> Settings:
         """A copy with ``section_key=value`` changes (``network_max_upload_mbps=10``), validated."""

@@ -73,7 +73,8 @@ class NodeStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     syncs: int = 0
-    syncs_alone: int = 0
+    syncs_alone: int = 0  # no group formed, or the all-reduce failed: applied our own update
+    syncs_failed: int = 0  # of those, the all-reduce failed
     dropped_peers: int = 0
     waited_s: float = 0.0
     """Training blocked at a landing step on a sync's result (matchmaking + all-reduce not hidden by tau)."""
@@ -84,9 +85,9 @@ class NodeStats:
     tokens: int = 0  # trained by this process (a restart starts again at 0)
     inner_steps: int = 0
     allreduce_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    """Latency of the latest all-reduces (bounded: a node runs for weeks)."""
     steps_skipped: int = 0  # steps our counter moved on without training, to keep up with the swarm (peer.pace)
     waits: deque[tuple[int, int, float]] = field(default_factory=lambda: deque(maxlen=1000))  # (fragment, round, s)
-    """Latency of the latest all-reduces (bounded: a node runs for weeks)."""
     losses: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=1000))
     heldout: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=1000))
     traffic: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=256))

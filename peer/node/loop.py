@@ -51,6 +51,7 @@ from peer.node.peers import PeersMixin
 from peer.node.syncs import SyncMixin
 from peer.node.volunteer import VolunteerMixin, _LogToControl
 from peer.node.worker_state import WorkerStateMixin
+from peer.metrics import MetricsServer
 from peer.pace import SwarmClock
 from peer.presence import Presence
 from peer.ratelimit import RateLimiter
@@ -166,6 +167,8 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             self._sync_started_at: list[int] = []  # step of each fragment's latest contribution
             self._clock = SwarmClock(swarm.heartbeat_interval_s, train.tokens_per_step())  # the swarm's pace (peer.pace)
             self._maddrs = self.net.visible_maddrs()
+            metrics = self.settings.metrics
+            self.metrics = MetricsServer(self, metrics.address, metrics.port) if metrics.port else None
         except BaseException:
             self.net.close()
             self._release()
@@ -384,7 +387,8 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             "rounds": min(self.stats.rounds) if self.stats.rounds else 0,
             "heldout_loss": heldout, "bytes_sent": self.stats.bytes_sent,
             "bytes_received": self.stats.bytes_received, "syncs": self.stats.syncs,
-            "syncs_alone": self.stats.syncs_alone, "dropped_peers": self.stats.dropped_peers,
+            "syncs_alone": self.stats.syncs_alone, "syncs_failed": self.stats.syncs_failed,
+            "dropped_peers": self.stats.dropped_peers,
             "waited_s": round(self.stats.waited_s, 3), "checks_s": round(self.stats.checks_s, 3),
             "blocked_s": round(self.stats.waited_s + self.stats.checks_s, 3),
             "paused_s": round(self.stats.paused_s, 3), "inner_s": round(self.stats.inner_s, 3),
@@ -408,6 +412,8 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
         self.stop_event.set()
 
     def close(self) -> None:
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
         for part in (self.averager, self.state_server):
             try:
                 self.net.call(part.shutdown(), timeout=5)

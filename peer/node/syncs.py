@@ -171,6 +171,7 @@ class SyncMixin:
             fut.cancel()  # timed out: it must not go on and average later, with what we no longer hold
             log.warning("sync failed fragment=%d round=%d reason=%r; applying own update", fragment, round_, e)
             result, reason = None, f"all-reduce failed: {e!r}"
+            self.stats.syncs_failed += 1
         waited = time.perf_counter() - t0
         self.stats.waited_s += waited
         self.stats.waits.append((fragment, round_, waited))

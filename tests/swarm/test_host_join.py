@@ -9,13 +9,17 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+
+from protocol import __version__
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -137,6 +141,25 @@ def one_line_error(out: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The samples a Prometheus server would read from ``port``: ``name{labels}`` -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return {name: float(value) for name, value in
+            (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+def host_peer(host: Running) -> str:
+    """The host's peer ID, from the address it prints."""
+    return next(m.group(1) for line in host.lines if (m := re.search(r"/p2p/(\w+)'", line)))
+
+
 def test_host_join_status_pause_resume_stop_with_two_identities(tmp_path, running):
     host_home, joiner_home = tmp_path / "host", tmp_path / "joiner"
     host_home.mkdir()
@@ -145,6 +168,10 @@ def test_host_join_status_pause_resume_stop_with_two_identities(tmp_path, runnin
     assert new.returncode == 0, new.stderr
     assert "swarmstream host run.swarmrun" in new.stdout  # run new says what to do next
 
+    # the operator's Prometheus endpoint, on (the setting is read at start)
+    port = free_port()
+    (host_home / "config").mkdir()
+    (host_home / "config" / "settings.toml").write_text(f"[metrics]\nport = {port}\n")
     host = running(host_home, "host", "run.swarmrun", "--headless", *LISTEN)
     address = host.wait_for(r"swarmstream join '(swarmstream:[^']+)'", timeout=120).group(1)
 
@@ -158,6 +185,13 @@ def test_host_join_status_pause_resume_stop_with_two_identities(tmp_path, runnin
     # the peers table comes from heartbeats in the DHT; on a loaded machine one can lapse for a moment
     st = wait_status(joiner_home, lambda s: s["peers"] == 2, "the host in the joiner's peers")
     assert st["state"] in ("training", "averaging", "syncing") and st["join_address"]
+
+    run_id = address.split(":")[1].split("@")[0]
+    metrics = scrape(port)  # the host's, after it averaged with the joiner
+    assert metrics[f'swarmstream_node_info{{client="swarmstream/{__version__}",peer="{host_peer(host)}",run="{run_id}"}}'] == 1
+    assert metrics['swarmstream_syncs_total{outcome="ok"}'] >= 1 and metrics["swarmstream_tokens_total"] > 0
+    assert metrics['swarmstream_bytes_total{direction="sent"}'] > 0 and metrics["swarmstream_peers"] >= 1
+    assert metrics["swarmstream_train_loss"] > 0 and metrics["swarmstream_banned_peers"] == 0
 
     paused = swarmstream(joiner_home, "pause")
     assert paused.returncode == 0 and paused.stdout.startswith("paused"), paused.stdout + paused.stderr

@@ -25,6 +25,9 @@ def test_settings_round_trip_and_missing_keys_take_defaults():
     ('[schedule]\nwindow = "9-5"\n', "22:00-07:00"),
     ("[schedule]\nonly_when_idle = 1\n", "only_when_idle"),
     ("[extra]\nx = 1\n", "unknown key"),
+    ("[metrics]\nport = 80\n", "metrics.port must be 0"),
+    ('[metrics]\nport = "9100"\n', "metrics.port"),
+    ('[metrics]\naddress = "example.com; rm"\n', "metrics.address"),
     ("[network\n", "not valid TOML"),
 ])
 def test_bad_settings_are_refused_with_the_key_and_what_to_do(text, says):

@@ -281,6 +281,8 @@ FIELDS = [
     ("schedule", "only_on_ac_power", "only on mains power", "bool"),
     ("schedule", "window", "daily window, e.g. 22:00-07:00 (empty = any time)", "text"),
     ("client", "confirmed", "confirmed (off: ask again before contributing)", "bool"),
+    ("metrics", "port", "Prometheus metrics port (0 = off; at next start)", "int"),
+    ("metrics", "address", "metrics address (127.0.0.1 = this machine only)", "text"),
 ]
 
 
