@@ -112,6 +112,7 @@ CHUNK_ALIGN = 256  # elements: a multiple of every codec's block (int8: 256, fp4
 _HEAD_ROOM = 4096  # bytes of a frame that are not payload: envelope and message heads
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
 AGREE_GRACE = 1.0  # reports and forwarded parts by (1 + AGREE_GRACE) * deadline_s
+ELSEWHERE_GRACE = 0.1  # of deadline_s: a part others reported holding this long is not waited for
 _RECENT_ROUNDS = 4  # finished rounds whose parts we still forward to a member that reports lacking one
 _FINISHED_MEMORY = 1024  # group IDs of finished rounds whose late frames we drop quietly
 
@@ -157,6 +158,9 @@ class AllReduceOutcome:
     clipped: tuple[int, ...] = ()
     """Members whose slice we scaled down, as the reducer of our part, because its norm was
     over ``clip`` x the lower median of the contributions' norms (protocol.butterfly)."""
+    refused: tuple[bytes, ...] = ()
+    """Public keys of the reducers whose mean we refused as too large for its contributions
+    (``Round.implausible``): not proof, but every member of the group saw the same."""
     offences: tuple[tuple[bytes, str, bytes | tuple[bytes, bytes]], ...] = ()
     """Proven lies seen in this round: (signer's public key, what is wrong, the signed frame,
     or the two frames of an equivocation), one per signer (``protocol.evidence``);
@@ -444,10 +448,11 @@ class Averager:
                     if i != me:
                         tasks.append(asyncio.create_task(self._deliver(rnd, i, frames, end_deadline, sent, False)))
 
-            await self._wait(rnd, rnd.means_done, end_deadline)
+            await self._wait_means(rnd, end_deadline)
             for j in range(rnd.n):
                 if j != me and j not in rnd.dropped and rnd.got[j] != rnd.size(j):
-                    rnd.drop(j, "timeout:reduced part not received in time")
+                    rnd.drop(j, "timeout:reduced part not received in time" if loop.time() >= end_deadline
+                             else "timeout:reduced part held by others, not sent to us")
             await self._agree(rnd)
             rnd.collecting_means = False
             while True:  # our sends, forwards answering reports that come meanwhile included
@@ -489,7 +494,8 @@ class Averager:
         offences, rnd.offences = tuple(rnd.offences.values()), {}  # the round is kept a while: not its evidence
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, partial, tuple(sorted(rnd.repaired)),
-                                rnd.settled() and not disputed, tuple(rnd.clipped), offences)
+                                rnd.settled() and not disputed, tuple(rnd.clipped),
+                                tuple(bytes(rnd.group.members[j]) for j in implausible), offences)
 
     async def _agree(self, rnd: Round) -> None:
         """Tell every member which parts we hold, forward the ones they lack, and wait for what
@@ -539,6 +545,25 @@ class Averager:
                 await asyncio.wait_for(rnd.changed.wait(), remaining)
             except asyncio.TimeoutError:
                 return
+
+    async def _wait_means(self, rnd: Round, deadline: float) -> None:
+        """Until we hold every reduced part, or the deadline; or until each part we lack was
+        reported held by another member ``ELSEWHERE_GRACE`` ago: its reducer sent it to the
+        others and not (yet) to us. A reducer that withholds its part from one member would
+        otherwise hold that member, and the agreement of the whole group, to the deadline; the
+        agreement forwards the part now (and the reducer's own frames are still taken)."""
+        loop = asyncio.get_running_loop()
+        grace = ELSEWHERE_GRACE * rnd.group.deadline_s
+        while not rnd.means_done():
+            now = loop.time()
+            until = min(deadline, rnd.held_elsewhere_at(grace))
+            if now >= until:
+                return
+            rnd.changed.clear()  # nothing can arrive between means_done() and here: no await
+            try:
+                await asyncio.wait_for(rnd.changed.wait(), until - now)
+            except asyncio.TimeoutError:
+                pass
 
     async def _report(self, rnd: Round, i: int, frames: list[list[Any]]) -> None:
         """Send our report to member i; one we cannot reach is not waited for."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from typing import Any
 
 import msgpack
@@ -109,6 +110,7 @@ class Round:
         # agreement: reports by member, parts forwarded to us (part, forwarder) -> chunks
         self.reports: dict[int, tuple[bytes, ...]] = {}
         self.report_norms: dict[int, tuple[float, ...]] = {}  # member -> its slices' norms, as it reported them
+        self.held_since: dict[int, float] = {}  # part -> when a member other than its reducer first reported it held
         # (part, forwarder) -> [(offset, numel, frame, payload digest, contributors, payload)]
         self.repairs: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
         self.repaired: set[int] = set()
@@ -136,6 +138,15 @@ class Round:
 
     def means_done(self) -> bool:
         return all(j == self.me or j in self.dropped or self.got[j] == self.size(j) for j in range(self.n))
+
+    def held_elsewhere_at(self, grace: float) -> float:
+        """When each part we lack will have been reported held by another member for ``grace``
+        seconds (event-loop time); infinity while one of them is reported by nobody."""
+        lacking = [j for j in range(self.n) if j != self.me and j not in self.dropped and self.size(j)
+                   and not self.holds(j)]
+        if not lacking or any(j not in self.held_since for j in lacking):
+            return math.inf
+        return max(self.held_since[j] for j in lacking) + grace
 
     def holds(self, j: int) -> bool:
         return self.size(j) > 0 and j in self.frames and self.got[j] == self.size(j)
@@ -361,6 +372,9 @@ class Round:
         self.reports[i] = tuple(bytes(d) for d in msg.digests)
         if len(msg.norms) == self.n:  # else it told us nothing about its slices: it bounds no part
             self.report_norms[i] = tuple(msg.norms)
+        for j, d in enumerate(self.reports[i]):
+            if d and j != i:
+                self.held_since.setdefault(j, time.monotonic())  # the event loop's clock
         self.changed.set()
 
     def _check_slice(self, msg: PushSlice | SliceAveraged, part: int, covered: int) -> None:

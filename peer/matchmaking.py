@@ -191,6 +191,10 @@ class Matchmaker:
         self.join_ttl_s = JOIN_TTL_FACTOR * t
         self._alone: dict[int, dict[int, float]] = {}  # fragment -> {round we averaged alone: our join time}
         self._waited: dict[int, dict[int, float]] = {}  # fragment -> {round: how long we waited to join it}
+        self.distrusted: set[bytes] = set()
+        """Keys we do not group with, nor follow as leaders: banned for a proven lie, or whose
+        reduced part we refused (``peer.node`` fills it). A leader that does not know drops
+        nothing: we follow its group, and check what it brings."""
 
     def formation_s(self) -> float:
         """About how long ``form_group`` takes for peers that join together: the batch gap and
@@ -262,7 +266,8 @@ class Matchmaker:
     def _mine(self, formed: list[GroupFormed], seed: bytes, weight: float) -> GroupFormed | None:
         """The record to follow: among those naming us with our weight, the leader ranked first."""
         me = self.identity.public_key
-        ours = [f for f in formed if me in f.members and f.weights[f.members.index(me)] == weight]
+        ours = [f for f in formed if me in f.members and f.weights[f.members.index(me)] == weight
+                and f.members[0] not in self.distrusted]  # nor follow them
         return min(ours, key=lambda f: rank(seed, f.members[0]), default=None)
 
     def _group(self, f: GroupFormed) -> Group:
@@ -347,6 +352,7 @@ class Matchmaker:
         # Wait until our batch's window has closed (and settled), refreshing our view of it.
         while True:
             joins = await self._read_joins(fragment, round, numel, now())
+            joins = {k: j for k, j in joins.items() if k not in self.distrusted}  # we group without them
             joins.setdefault(me, _Join(weight, numel, t_me))  # our own store may not be readable yet
             batch, close = batch_of({k: j.joined_at for k, j in joins.items()}, me, self.gap_s, self.span_s)
             wake = min(close + self.settle_s, deadline)

@@ -41,6 +41,7 @@ from peer.matchmaking import Matchmaker
 from peer.network import Network, NetworkConfig
 from peer.node.catchup import CatchUpMixin
 from peer.node.config import (
+    _FAULT,
     CONFIRM_REASON,
     NodeConfig,
     NodeStats,
@@ -52,6 +53,7 @@ from peer.node.syncs import SyncMixin
 from peer.node.volunteer import VolunteerMixin, _LogToControl
 from peer.node.worker_state import WorkerStateMixin
 from peer.metrics import MetricsServer
+from peer.node.faults import make_liar, parse_lies
 from peer.pace import SwarmClock
 from peer.presence import Presence
 from peer.ratelimit import RateLimiter
@@ -59,6 +61,7 @@ from peer.settings_store import load_settings
 from peer.statesync import StateServer
 from peer.sync_pipeline import InFlight, SyncPipeline
 from peer.worker import Worker
+from protocol.identity import public_key_from_peer_id
 from protocol.manifest import SignedManifest, open_manifest
 from protocol.messages import Message
 from protocol.messages_control import (
@@ -141,6 +144,8 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
                                      download=self.download_limiter, clip=train.sync.clip,
                                      max_weight=train.max_sync_tokens())
             self.averager.reconnect = self._reconnect_relayed
+            if lies := parse_lies(_FAULT):  # the swarm tests' lying peer (peer.node.faults)
+                make_liar(self.averager, lies)
             self.net.call(self.averager.start(), timeout=30)
             self.matchmaker = Matchmaker(self.net.dht, self.identity, self.run_id, swarm,
                                          max_weight=train.max_sync_tokens())
@@ -151,6 +156,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             self.bans = Bans(self.cfg.data_dir / self.signed.run_id_text / "bans", self.run_id)
             self.bans.load()
             self.averager.banned = self.bans.peer_ids  # one set: a ban holds from the next round on
+            self.matchmaker.distrusted |= {public_key_from_peer_id(b.peer_id) for b in self.bans.items()}
             self.state_digest = b""
             self.state_rounds: tuple[int, ...] = ()  # the rounds state_digest is at
             self._publishing: list = []  # (rounds, lineage, future) of each state being published, oldest first

@@ -21,6 +21,7 @@ from peer.node.config import (
 )
 from peer.sync_pipeline import Forming, InFlight
 from protocol.butterfly import slice_bounds
+from protocol.identity import peer_id_from_public_key
 from protocol.messages_control import (
     FragmentSynced,
     FragmentSyncFailed,
@@ -188,6 +189,12 @@ class SyncMixin:
             for key, why, frame in outcome.offences:  # a proven lie: banned from our next round on
                 if self.bans is not None:  # (here, on the training thread: the evidence is written to disk)
                     self.bans.add(key, why, frame)
+                self.matchmaker.distrusted.add(bytes(key))
+            for key in outcome.refused:  # a mean too large for its contributions: we no longer group with it
+                if key != self.identity.public_key and key not in self.matchmaker.distrusted:
+                    self.matchmaker.distrusted.add(key)
+                    log.warning("not grouping with peer=%s any more: its reduced part was too large for its "
+                                "contributions", peer_id_from_public_key(key))
             if not outcome.agreed:  # a member that took part never reported, or a reducer sent two
                 self._alone_this_round = True  # means: the members may land different averages: compare after
                 self._new_lineage()

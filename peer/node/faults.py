@@ -1,0 +1,70 @@
+"""Lies, for the swarm tests: ``SWARMSTREAM_FAULT=lie:KIND[+KIND...]`` makes this node a validly
+signed peer that lies in the ways docs/THREAT_MODEL.md lists, so that a test can run real
+honest nodes beside it and check what they land. Nothing a volunteer runs sets it.
+
+- ``push1000``: its pseudo-gradient x1000 in every push (finite, validly encoded);
+- ``push1e30``: values near 1e30 in every push;
+- ``mean1000``: as a reducer, its mean x1000 to everyone (and so held itself: one lie, no two
+  means to compare);
+- ``equivocate``: as a reducer, its mean x1000 to one member, the true one to the others;
+- ``withhold``: as a reducer, its mean to every contributor but one.
+
+The member lied to or withheld from is the one after it in the group's order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from protocol.codecs import get_codec
+from protocol.envelope import seal, verify
+
+LIES = frozenset({"push1000", "push1e30", "mean1000", "equivocate", "withhold"})
+
+
+def parse_lies(fault: str) -> frozenset[str]:
+    """The lies a ``SWARMSTREAM_FAULT`` value asks for (none unless it starts with ``lie:``)."""
+    kind, _, what = fault.partition(":")
+    if kind != "lie":
+        return frozenset()
+    lies = frozenset(what.split("+"))
+    if not lies or not lies <= LIES:
+        raise ValueError(f"SWARMSTREAM_FAULT lie:{what}: each lie is one of {', '.join(sorted(LIES))}")
+    return lies
+
+
+def make_liar(averager: Any, lies: frozenset[str]) -> None:
+    """Wrap ``averager``'s methods so that it tells ``lies`` (it signs them all validly)."""
+    allreduce, encode, deliver = averager.allreduce, averager._encode, averager._deliver
+
+    async def lying_allreduce(group, vector: torch.Tensor, weight: float):
+        if "push1000" in lies:
+            vector = vector * 1000.0
+        if "push1e30" in lies:
+            vector = torch.full_like(vector, 1e30)
+        return await allreduce(group, vector, weight)
+
+    def lying_encode(rnd, part: int, values: torch.Tensor):
+        return encode(rnd, part, values * 1000.0 if "mean1000" in lies and part == rnd.me else values)
+
+    async def lying_deliver(rnd, j: int, frames, deadline, sent, drop_on_failure):
+        ours = frames is rnd.frames.get(rnd.me)  # our reduced part, not a push or a forward
+        if ours and j == (rnd.me + 1) % rnd.n:
+            if "withhold" in lies:
+                return
+            if "equivocate" in lies:
+                frames = [[_scaled(averager, b"".join(bytes(x) for x in f), 1000.0)] for f in frames]
+        await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
+
+    averager.allreduce, averager._encode, averager._deliver = lying_allreduce, lying_encode, lying_deliver
+
+
+def _scaled(averager: Any, frame: bytes, factor: float) -> bytes:
+    """Our signed reduced part ``frame`` with its values times ``factor``, signed again."""
+    msg = verify(frame).message
+    codec = get_codec(msg.codec)
+    payload = codec.encode(codec.decode(msg.payload, msg.numel) * factor)
+    return seal(dataclasses.replace(msg, payload=payload), averager.identity)

@@ -1,0 +1,89 @@
+"""A whole node that lies (``SWARMSTREAM_FAULT=lie:...``, ``peer.node.faults``) among honest
+whole nodes: what the honest ones land, and how far the lies move their model."""
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from peer.demo import Demo, demo_manifest
+from peer.identity_store import load_or_create_identity
+from swarm_util import Events
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+
+ROUNDS = 10
+LIES = "lie:push1000+mean1000+withhold"
+
+
+def shared_landings(events, peers: tuple[int, ...]) -> dict[tuple[int, int, str], set[str]]:
+    """For every group landing that all of ``peers`` were in, entering it with the same copy of
+    the fragment (the digest each landed last, or the common initial model): the digests they
+    landed. Honest members of one group who held one copy must land one result."""
+    held: dict[tuple[int, int], str | None] = {}
+    landed: dict[tuple[int, int, str], dict[int, tuple[str | None, str]]] = {}
+    for i, ev in events:
+        if i not in peers:
+            continue
+        if ev.get("event") == "state_synced":
+            for f in range(len(ev["rounds"])):
+                held[(i, f)] = "?"
+        elif ev.get("event") == "synced":
+            key = (i, ev["fragment"])
+            if not ev["alone"]:
+                landed.setdefault((ev["fragment"], ev["round"], ev["group"]), {})[i] = (held.get(key), ev["digest"])
+            held[key] = ev["digest"]
+    return {k: {d for _, d in by_peer.values()} for k, by_peer in landed.items()
+            if len(by_peer) == len(peers) and len({b for b, _ in by_peer.values()}) == 1
+            and "?" not in {b for b, _ in by_peer.values()}}
+
+
+def run(workdir: Path, demos, peers: int, setup: Path, envs=None) -> tuple[Demo, list]:
+    """``peers`` nodes of the run in ``setup`` (its manifest, and the keys of peers 0..3): the
+    same model, data and identities in every run, so two runs differ only by what their peers
+    do (and, on a loaded machine, by a round some peer averaged alone)."""
+    workdir.mkdir()
+    for i in range(peers):
+        shutil.copy(setup / f"peer{i}.key", workdir / f"peer{i}.key")
+    events = Events()
+    demo = Demo(peers, rounds=ROUNDS, workdir=workdir, on_event=events, envs=envs,
+                manifest=(setup / "demo.swarmrun").read_bytes())
+    demos.append(demo)
+    demo.start()
+    summary = demo.wait()
+    assert summary["errors"] == [] and summary["finished"] == peers, summary
+    return demo, events.drain()
+
+
+def test_a_node_lying_three_ways_at_once_leaves_the_honest_ones_agreeing_finite_and_within_2pct(tmp_path, demos):
+    """Peer 3 pushes its pseudo-gradients x1000, returns its reduced part x1000 to everyone,
+    and withholds it from one member, every round. The three honest peers clip its pushes,
+    refuse its mean (all alike, so the one it withheld from agrees too, and at once, not at the
+    deadline), stop grouping with it, and land one result in every group they share. Their
+    held-out loss stays finite and within 2% of the same three peers training without it."""
+    honest = (0, 1, 2)
+    setup = tmp_path / "setup"
+    setup.mkdir()
+    (setup / "demo.swarmrun").write_bytes(demo_manifest(4, setup / "peer0.key"))
+    for i in range(1, 4):
+        load_or_create_identity(setup / f"peer{i}.key")
+
+    baseline, _ = run(tmp_path / "honest", demos, 3, setup)
+    base = sum(baseline.summaries[i]["heldout_loss"] for i in honest) / 3
+
+    demo, seen = run(tmp_path / "attacked", demos, 4, setup, envs={3: {"SWARMSTREAM_FAULT": LIES}})
+    with_liar = [ev for i, ev in seen if i in honest and ev.get("event") == "synced" and ev["group_size"] == 4]
+    assert with_liar, "the liar was never in a group with the honest peers"
+    logs = [(tmp_path / "attacked" / f"peer{i}.log").read_text() for i in honest]
+    assert any("reduced part too large" in text for text in logs), "nobody refused the liar's mean"
+    assert any("clipped slice" in text for text in logs), "nobody clipped the liar's pushes"
+    assert all("not grouping with peer" in text for text in logs), "an honest peer kept grouping with the liar"
+    shared = shared_landings(seen, honest)
+    assert shared, "the honest peers never landed a group together from one copy"
+    assert all(len(d) == 1 for d in shared.values()), f"honest members of a group landed different results: {shared}"
+    attacked = [demo.summaries[i]["heldout_loss"] for i in honest]
+    assert all(math.isfinite(h) and h > 0 for h in attacked), attacked
+    mean = sum(attacked) / 3
+    print(f"held-out loss after {ROUNDS} rounds: honest peers beside the liar {mean:.4f}, without it {base:.4f}")
+    assert abs(mean - base) <= 0.02 * base, (mean, base)
