@@ -314,7 +314,10 @@ class Matchmaker:
 
         A peer about a round behind joins our previous round about when we join this one, so
         its join may not be readable yet: then the lonely round before tells the same offset
-        (less what we waited since). Without that, two peers a round apart would never meet."""
+        (less what we waited since). Without that, two peers a round apart would never meet.
+        A peer more than 1.5 of our rounds behind is not waited for: it is rounds behind, not
+        out of step, and downloads the swarm's state (``peer.node.catchup``); waiting for it
+        would only keep it from falling far enough behind to do so."""
         alone = self._alone.get(fragment, {})
         waited = self._waited.setdefault(fragment, {})
         me = self.identity.public_key
@@ -325,6 +328,9 @@ class Matchmaker:
             if others:
                 if later := [t - alone[q] for t in others if t > alone[q]]:
                     delay = max(later) - sum(waited.get(x, 0.0) for x in range(q + 1, round))
+                    period = alone[q + 1] - alone[q] if q + 1 in alone else alone[q] - alone.get(q - 1, -math.inf)
+                    if delay > 1.5 * period:  # a round or more behind: it catches up by download, not by our waits
+                        delay = 0.0
                 break
             q -= 1  # nobody's join of that round readable yet: look one round further back
         delay = min(max(delay, 0.0), self.swarm.matchmaking_timeout_s)

@@ -105,3 +105,14 @@ def test_nothing_readable_in_any_lonely_round_means_no_wait():
     mm = matchmaker(MemoryDHT())
     mm._alone[0] = {2: 92.0, 3: 96.0, 4: 100.0}
     assert delay(mm, 5, now=104.0) == 0.0
+
+
+def test_a_peer_rounds_behind_is_not_waited_for_it_downloads_instead():
+    """Round period 4 s, the other 9 s behind (two rounds and a bit, as after a pause): not
+    out of step but rounds behind; waiting for it would keep it from falling far enough behind
+    to download the swarm's state."""
+    dht = MemoryDHT()
+    mm = matchmaker(dht)
+    mm._alone[0] = {4: 100.0, 5: 104.0}
+    join(dht, mm, OTHER, 4, 109.0)
+    assert delay(mm, 6, now=108.0) == 0.0
