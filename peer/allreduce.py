@@ -92,6 +92,7 @@ import torch
 from hivemind.p2p import P2P
 
 from peer.allreduce_round import Round
+from peer.audit import Audits
 from peer.inbox import HEADER_LEN, FrameTooLarge, PendingFrames, StreamEnded, StreamGate, TooManyStreams, \
     peek_group, read_body, read_header
 from peer.outbox import ACK, MAX_UNREAD_ACKS, send_frames
@@ -101,13 +102,13 @@ from protocol.envelope import seal_parts, verify
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.identity import Identity, peer_id_from_public_key
 from protocol.messages import MAX_FRAME_BYTES
-from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
+from protocol.messages_swarm import AuditRequest, PartsHeld, PushSlice, SliceAveraged
 
 __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_elements"]
 
 log = logging.getLogger(__name__)
 
-HANDLER_PREFIX = "swarmstream-avg-v3-"  # v2: each frame is acknowledged (peer.outbox); v3: reports carry norms
+HANDLER_PREFIX = "swarmstream-avg-v4-"  # v2: frames acknowledged (peer.outbox); v3: reports carry norms; v4: audits
 CHUNK_ALIGN = 256  # elements: a multiple of every codec's block (int8: 256, fp4: 32)
 _HEAD_ROOM = 4096  # bytes of a frame that are not payload: envelope and message heads
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
@@ -190,7 +191,7 @@ class Averager:
                  max_pending_groups_per_peer: int | None = None, max_pending_bytes_per_peer: int | None = None,
                  max_streams_per_peer: int = 32, pending_ttl_s: float = 120.0, read_timeout_s: float = 30.0,
                  upload: RateLimiter | None = None, download: RateLimiter | None = None,
-                 clip: float = 2.0, max_weight: float = 1e18):
+                 clip: float = 2.0, max_weight: float = 1e18, audit: float = 0.0):
         if not 2 * _HEAD_ROOM <= max_frame_bytes <= MAX_FRAME_BYTES:
             raise LocalProtocolError(f"max_frame_bytes must be in [{2 * _HEAD_ROOM}, {MAX_FRAME_BYTES}], "
                                      f"got {max_frame_bytes}")
@@ -211,6 +212,8 @@ class Averager:
         self.read_timeout_s = read_timeout_s
         self.clip = clip  # the run's sync.clip: robust mean (protocol.butterfly)
         self.max_weight = max_weight  # the run's most tokens one sync may cover
+        self.audits = Audits(self, audit, clip)
+        """Our audits of other reducers' means (``peer.audit``; ``audit``: the run's sync.audit)."""
         self.banned: set[str] | frozenset[str] = frozenset()
         """Peer IDs banned for a proven lie: their pushes are averaged by no round of ours
         (``peer.bans`` keeps this set; the node hands it over)."""
@@ -286,13 +289,18 @@ class Averager:
         """Handle one frame; -> (group ID, message type) of a slice or part the stream's peer
         sent for itself (what its stream's end says something about), else None."""
         try:
-            v = verify(data, expect=(PushSlice, SliceAveraged, PartsHeld), run_id=self.run_id,
+            v = verify(data, expect=(PushSlice, SliceAveraged, PartsHeld, AuditRequest), run_id=self.run_id,
                        max_size=self.max_frame_bytes)
+            if self.audits.take(peer_id, v, data):  # the inputs of a mean we audit, shown by its reducer
+                return None
             forwarded = v.peer_id != peer_id
             if forwarded and not isinstance(v.message, SliceAveraged):  # only reduced parts are forwarded
                 verify(data, run_id=self.run_id, sender=peer_id, max_size=self.max_frame_bytes)  # raises
         except RemoteProtocolError as e:
             self._blame(peer_id, peek_group(data), f"{type(e).__name__}:{e}")
+            return None
+        if isinstance(v.message, AuditRequest):
+            self.audits.answer(peer_id, v.message)
             return None
         gid = bytes(v.message.group_id)  # type: ignore[attr-defined]
         nbytes = HEADER_LEN + len(data)
@@ -382,7 +390,7 @@ class Averager:
                 for a, b in _chunks(s, e, chunk_elements(self.max_frame_bytes))]
 
     def _frames(self, rnd: Round, part: int, encoded: list[tuple[int, int, bytes]], weight: float,
-                contributors: tuple[int, ...] | None) -> list[list[Any]]:
+                contributors: tuple[int, ...] | None, inputs: bytes = b"") -> list[list[Any]]:
         """Sealed PushSlices (or SliceAverageds, with ``contributors``) carrying ``encoded``."""
         g = rnd.group
         frames = []
@@ -392,7 +400,7 @@ class Averager:
                 "offset": a, "numel": b - a, "shape": (b - a,), "dtype": "float32", "codec": g.codec,
                 "weight": weight, "payload": payload}
             msg = (PushSlice(**common) if contributors is None
-                   else SliceAveraged(contributors=contributors, **common))
+                   else SliceAveraged(contributors=contributors, inputs=inputs, **common))
             frames.append(seal_parts(msg, self.identity))
         return frames
 
@@ -441,8 +449,9 @@ class Averager:
 
             if rnd.size(me):
                 mean, contrib, total = rnd.reduce()
+                inputs = rnd.commit(contrib, chunk_elements(self.max_frame_bytes))
                 encoded = self._encode(rnd, me, mean)
-                frames = self._frames(rnd, me, encoded, total, contrib)
+                frames = self._frames(rnd, me, encoded, total, contrib, inputs)
                 rnd.reduced(contrib, encoded, frames)
                 for i in sorted(set(contrib) | rnd.excluded):  # a banned member is alive: it needs our part too
                     if i != me:
@@ -488,6 +497,7 @@ class Averager:
         disputed = tuple(j for j in range(rnd.n) if j not in rnd.convicted
                          and mine[j] and any(r[j] and r[j] != mine[j] for r in rnd.reports.values()))
         rnd.retire()
+        self.audits.after(rnd, fallback)
         if disputed:
             log.warning("members hold different means of one part parts=%s group=%s: its reducer sent "
                         "different ones", list(disputed), gid.hex())

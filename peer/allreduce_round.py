@@ -38,7 +38,8 @@ import msgpack
 import torch
 
 from protocol.butterfly import clip_scales, mean_norm_bound, slice_bounds, slice_norm
-from protocol.codecs import Codec
+from protocol.audit import contribution_digest, inputs_digest
+from protocol.codecs import Codec, get_codec
 from protocol.envelope import Verified
 from protocol.evidence import equivocation, offence
 from protocol.errors import RemoteProtocolError
@@ -53,6 +54,8 @@ ended with its slice or part short. A late member may still send its part, and i
 landed parts nobody else holds, so the agreement waits for its report."""
 
 log = logging.getLogger("peer.allreduce")
+
+FP32 = get_codec("fp32")
 
 Frame = list[Any]
 """One frame to send: the sealed envelope's parts (``protocol.envelope.seal_parts``), or the
@@ -101,6 +104,9 @@ class Round:
         self.proved: set[tuple[int, int]] = set()  # (member, part) we sent the proof of part's equivocation
         # pushes of our slice: sender -> [(offset, numel, payload)], and elements covered
         self.pushes: dict[int, list[tuple[int, int, Any]]] = {}
+        # and as signed: sender -> [(offset, numel, payload digest, frame)], kept to show an auditor
+        self.push_frames: dict[int, list[tuple[int, int, bytes, bytes]]] = {}
+        self.own_chunks: list[tuple[int, int, bytes]] = []  # our own slice of our part, raw fp32, chunked
         self.pushed = [0] * self.n
         # reduced parts from the other reducers: elements covered and contributors seen
         self.got = [0] * self.n
@@ -249,7 +255,7 @@ class Round:
             return  # sent again because its acknowledgement did not come in time (peer.outbox)
         try:
             if isinstance(msg, PushSlice):
-                self._accept_push(i, msg)
+                self._accept_push(i, msg, v.payload_digest, data)
             else:
                 self._accept_mean(i, msg, v.payload_digest, data)  # type: ignore[arg-type]
         except RemoteProtocolError as e:
@@ -390,7 +396,7 @@ class Round:
         if covered + msg.numel > e - s:
             raise RemoteProtocolError(f"more than the {e - s} elements of slice {part}")
 
-    def _accept_push(self, i: int, msg: PushSlice) -> None:
+    def _accept_push(self, i: int, msg: PushSlice, payload_digest: bytes, data: bytes) -> None:
         if msg.part != self.me:
             raise RemoteProtocolError(f"part {msg.part} sent to the reducer of part {self.me}")
         if not self.collecting_pushes:
@@ -405,6 +411,7 @@ class Round:
         _check_disjoint([(off, cnt) for off, cnt, _ in chunks], msg.offset, msg.numel)
         self.codec.decode(msg.payload, msg.numel)  # layout, scales and finiteness; raises
         chunks.append((msg.offset, msg.numel, msg.payload))
+        self.push_frames.setdefault(i, []).append((msg.offset, msg.numel, bytes(payload_digest), bytes(data)))
         self.pushed[i] += msg.numel
 
     def _check_mean(self, j: int, msg: SliceAveraged, covered: int) -> None:
@@ -461,9 +468,12 @@ class Round:
     # --- the reduction ------------------------------------------------------------------
 
     def retire(self) -> None:
-        """The round is over: keep only what answering a late report needs (the parts' frames)."""
+        """The round is over: keep only what answering a late report needs (the parts' frames),
+        and an audit of our part (its inputs)."""
         self.repairs.clear()
         self.pushes.clear()
+        if not self.own_chunks:
+            self.push_frames.clear()
         self.vector = self.vector[:0]
         self.tasks = []
 
@@ -491,6 +501,22 @@ class Round:
                     self.codec.decode_add_(acc[off - s:off - s + cnt], payload, w)
         self.pushes.clear()  # the payloads are no longer needed
         return acc, contrib, total_w
+
+    def commit(self, contrib: tuple[int, ...], step: int) -> bytes:
+        """Our commitment to the inputs of our mean (``protocol.audit.inputs_digest``); the
+        inputs are kept to show a member that audits it."""
+        me, (s, e) = self.me, self.bounds[self.me]
+        own = self.vector[s:e]
+        self.own_chunks = [(a, min(a + step, e) - a, FP32.encode(own[a - s:min(a + step, e) - s]))
+                           for a in range(s, e, step)]
+        self.push_frames = {i: f for i, f in self.push_frames.items() if i in contrib}
+        shares = []
+        for i in contrib:
+            key, w = bytes(self.group.members[i]), self.group.weights[i]
+            chunks = ([(o, n, digest(p)) for o, n, p in self.own_chunks] if i == me
+                      else [(o, n, d) for o, n, d, _ in self.push_frames[i]])
+            shares.append(contribution_digest(key, w, chunks))
+        return inputs_digest(shares)
 
     def _decoded(self, i: int) -> torch.Tensor:
         """Member i's push of our slice, decoded whole (for its norm)."""

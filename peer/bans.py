@@ -31,6 +31,7 @@ from protocol.identity import peer_id_from_public_key
 log = logging.getLogger(__name__)
 
 MAX_BANS = 256
+MAX_EVIDENCE_FRAMES = 4096  # an audit's proof: a part's mean and its inputs, in frames
 """Evidence files kept per run. Past it a new offender is still banned, for this session only."""
 MAX_EVIDENCE_BYTES = 256 << 20
 """Bytes of evidence kept per run (a frame is at most 64 MiB; a lie can be far smaller), so
@@ -48,8 +49,9 @@ class Ban:
 class Bans:
     """The bans of one run (see the module docstring)."""
 
-    def __init__(self, directory: Path, run_id: bytes):
+    def __init__(self, directory: Path, run_id: bytes, clip: float = 0.0):
         self.directory, self.run_id = Path(directory), bytes(run_id)
+        self.clip = clip  # the run's sync.clip: an audit's proof is checked with it
         self._bans: dict[bytes, Ban] = {}
         self._saved = 0  # bytes of evidence on disk
         self.peer_ids: set[str] = set()
@@ -67,7 +69,7 @@ class Bans:
             except OSError as e:
                 log.warning("could not read ban evidence path=%s reason=%s", path, e.strerror)
                 continue
-            proven = proves(_frames(path, data), self.run_id)
+            proven = proves(_frames(path, data), self.run_id, self.clip)
             if proven is None or peer_id_from_public_key(proven[0]) != path.stem:
                 log.warning("ban evidence proves nothing and is ignored path=%s (delete it, or restore the "
                             "original file)", path)
@@ -80,7 +82,7 @@ class Bans:
         key is banned already."""
         frames = ((bytes(evidence),) if isinstance(evidence, (bytes, bytearray, memoryview))
                   else tuple(bytes(f) for f in evidence))
-        proven = proves(frames, self.run_id)
+        proven = proves(frames, self.run_id, self.clip)
         if proven is None or proven[0] != key or key in self._bans:
             return False
         peer_id = peer_id_from_public_key(key)
@@ -132,7 +134,7 @@ def _frames(path: Path, data: bytes) -> tuple[bytes, ...]:
     if path.suffix == ".frame":
         return (data,)
     try:
-        frames = msgpack.unpackb(data, raw=False, max_bin_len=len(data), max_array_len=2)
+        frames = msgpack.unpackb(data, raw=False, max_bin_len=len(data), max_array_len=MAX_EVIDENCE_FRAMES)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
         return ()
     if not isinstance(frames, list) or not all(isinstance(f, bytes) for f in frames):

@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from typing import Any
 from pathlib import Path
 from collections.abc import Callable
 
@@ -33,12 +34,14 @@ class DemoError(Exception):
     """A demo peer failed to start or exited with an error."""
 
 
-def demo_manifest(peers: int, identity_path: Path) -> bytes:
-    """The demo run: tiny preset, stdlib text, Streaming DiLoCo with short rounds and deadlines."""
+def demo_manifest(peers: int, identity_path: Path, **sync: Any) -> bytes:
+    """The demo run: tiny preset, stdlib text, Streaming DiLoCo with short rounds and deadlines
+    (``sync``: other SyncConfig fields, for tests)."""
     ident = load_or_create_identity(identity_path)
+    sync = {"inner_steps": 20, "fragments": 2, "overlap": 1, "alpha": 0.5, "codec": "fp4", **sync}
     train = TrainConfig(model=model_preset("tiny"), data=DataConfig(source="stdlib"),
                         inner=InnerConfig(lr=3e-3, warmup_steps=20, total_steps=2000, batch_size=8),
-                        sync=SyncConfig(inner_steps=20, fragments=2, overlap=1, alpha=0.5, codec="fp4"))
+                        sync=SyncConfig(**sync))
     swarm = SwarmConfig(group_size=8, matchmaking_timeout_s=5.0, allreduce_timeout_s=20.0,
                         heartbeat_interval_s=3.0, heartbeat_ttl_s=10.0)
     manifest = RunManifest(name="local demo", description=f"{peers} peers on this machine", train=train,

@@ -19,6 +19,8 @@ A port that cannot be bound is logged and the node trains on without it.
     swarmstream_step, swarmstream_round               inner step counter; fragments' lowest completed round
     swarmstream_train_loss, swarmstream_heldout_loss  latest (absent until measured)
     swarmstream_banned_peers                          banned for a proven lie
+    swarmstream_audits_total{verdict}                 our audits of other reducers' means: "ok", "wrong"
+                                                      (proven, banned), "unproven" (inputs not shown)
 """
 
 from __future__ import annotations
@@ -84,6 +86,12 @@ class _NodeCollector:
                 yield _gauge(f"swarmstream_{name}_loss", f"Latest {name} loss", latest[0][1])
         yield _gauge("swarmstream_banned_peers", "Peers banned from the run for a proven lie",
                      len(n.bans) if n.bans is not None else 0)
+        if (audits := getattr(n.averager, "audits", None)) is not None:
+            verdicts = CounterMetricFamily("swarmstream_audits", "Our audits of other reducers' means, by verdict",
+                                           labels=["verdict"])
+            for verdict in ("ok", "wrong", "unproven"):
+                verdicts.add_metric([verdict], audits.counts[verdict])
+            yield verdicts
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -204,6 +204,11 @@ class SyncConfig:
     """Robust averaging: each reducer scales a member's slice down to at most ``clip`` times
     the lower median of the slices' norms before taking the mean, so one member cannot push
     the average arbitrarily far (see docs/THREAT_MODEL.md). 0 takes the plain weighted mean."""
+    audit: float = 0.1
+    """Chance that a member audits each other reducer's mean after a round: it fetches the
+    mean's inputs, recomputes it, and bans a reducer whose mean does not follow from them
+    (see docs/THREAT_MODEL.md). An audit costs the auditor about one part's pushes plus its
+    reducer's slice in fp32. 0 turns audits off."""
 
     def __post_init__(self) -> None:
         _check(self.method in ("diloco", "ddp"), f"sync.method must be 'diloco' or 'ddp', got {self.method!r}")
@@ -219,6 +224,7 @@ class SyncConfig:
         _check(0.0 <= self.alpha < 1.0, f"sync.alpha must be in [0, 1), got {self.alpha}")
         _check(self.clip == 0.0 or 1.0 <= self.clip <= 1e6,
                f"sync.clip must be 0 (plain mean) or in [1, 1e6], got {self.clip}")
+        _check(0.0 <= self.audit <= 1.0, f"sync.audit must be in [0, 1], got {self.audit}")
         _check(self.codec in CODEC_NAMES, f"sync.codec must be one of {', '.join(CODEC_NAMES)}, got {self.codec!r}")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from protocol.audit import wrong_mean
 from protocol.codecs import get_codec
 from protocol.envelope import Verified, verify
 from protocol.errors import ProtocolError, RemoteProtocolError
@@ -69,13 +70,17 @@ def equivocation(frame_a: bytes, frame_b: bytes, run_id: bytes) -> tuple[bytes, 
                       f"(round {ma.round}, fragment {ma.fragment}) sent to different members")
 
 
-def proves(frames: Sequence[bytes], run_id: bytes) -> tuple[bytes, str] | None:
+def proves(frames: Sequence[bytes], run_id: bytes, clip: float = 0.0) -> tuple[bytes, str] | None:
     """What ``frames`` prove, if anything: one frame through ``offence``, two through
-    ``equivocation``. -> (the liar's key, what it did) or None."""
+    ``equivocation`` (or, failing that, an audit), more through ``protocol.audit.wrong_mean``
+    (a part's mean and the inputs its reducer showed; ``clip``: the run's sync.clip).
+    -> (the liar's key, what it did) or None."""
     if len(frames) == 1:
         return offence(frames[0], run_id)
-    if len(frames) == 2:
-        return equivocation(frames[0], frames[1], run_id)
+    if len(frames) == 2 and (proven := equivocation(frames[0], frames[1], run_id)) is not None:
+        return proven
+    if len(frames) >= 2:
+        return wrong_mean(frames, run_id, clip)
     return None
 
 

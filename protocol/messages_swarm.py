@@ -209,6 +209,11 @@ class SliceAveraged(_Slice):
 
     contributors: Annotated[tuple[int, ...], Seq(Int(0, MAX_GROUP_SIZE - 1), min_len=1, max_len=MAX_GROUP_SIZE)]
     """Member indices whose slices are in the mean (a dropped member is missing here)."""
+    inputs: Annotated[bytes, Bytes((DIGEST_BYTES,))]
+    """The reducer's commitment to what it averaged (``protocol.audit.inputs_digest``): each
+    contributor's key, weight and pushed chunks, its own slice as raw fp32. An auditor that
+    fetches those inputs recomputes the mean; a mean that does not follow from the inputs
+    it committed to proves that the reducer lied."""
     payload: Bulk
 
     def check(self) -> None:
@@ -236,6 +241,19 @@ class PartsHeld(Message):
     reducer), or empty. With the others' reports it bounds how large a reduced part can be
     (``protocol.butterfly.mean_norm_bound``): a reducer returning a far larger mean is not
     believed."""
+
+
+@message(Tag.AUDIT_REQUEST)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AuditRequest(Message):
+    """A member asks the reducer of ``part`` for the inputs of its mean (``protocol.audit``):
+    the contributors' signed pushes it averaged, and its own slice as signed raw fp32."""
+
+    run_id: RunId
+    fragment: Fragment
+    round: Round
+    group_id: GroupId
+    part: Annotated[int, Int(0, MAX_GROUP_SIZE - 1)]
 
 
 # ---------------------------------------------------------------------------------------

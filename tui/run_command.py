@@ -36,6 +36,7 @@ _FIELDS = {
     "outer_lr": ("outer", "lr"), "outer_momentum": ("outer", "momentum"), "nesterov": ("outer", "nesterov"),
     "inner_steps": ("sync", "inner_steps"), "fragments": ("sync", "fragments"),
     "overlap": ("sync", "overlap"), "alpha": ("sync", "alpha"), "codec": ("sync", "codec"),
+    "clip": ("sync", "clip"), "audit": ("sync", "audit"),
     "group_size": ("swarm", "group_size"), "matchmaking_timeout": ("swarm", "matchmaking_timeout_s"),
     "allreduce_timeout": ("swarm", "allreduce_timeout_s"), "state_chunk_timeout": ("swarm", "state_chunk_timeout_s"),
     "heartbeat_interval": ("swarm", "heartbeat_interval_s"), "heartbeat_ttl": ("swarm", "heartbeat_ttl_s"),
@@ -80,6 +81,10 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--overlap", "--tau", dest="overlap", type=int, help="tau: steps an all-reduce overlaps")
     g.add_argument("--alpha", type=float, help="merge weight of the local copy (0.5 with overlap)")
     g.add_argument("--codec", choices=CODEC_NAMES, help="wire format of outer gradients")
+    g.add_argument("--clip", type=float, help="robust mean: a slice is scaled to at most this x the lower median "
+                                              "norm (default 2; 0: plain mean)")
+    g.add_argument("--audit", type=float, help="chance a member audits each other reducer's mean after a round "
+                                               "(default 0.1; 0: never; see docs/THREAT_MODEL.md)")
     g = new.add_argument_group("swarm")
     g.add_argument("--group-size", type=int, help="most peers in one averaging group (default 8)")
     g.add_argument("--matchmaking-timeout", type=float, metavar="SECONDS")
@@ -166,7 +171,8 @@ def run_show(args: argparse.Namespace) -> int:
     print(f"model        {m.train.model.num_params():,} parameters, {m.train.model.n_layers} layers, "
           f"d_model {m.train.model.d_model}")
     s = m.train.sync
-    print(f"sync         {s.method} H={s.inner_steps} P={s.fragments} tau={s.overlap} alpha={s.alpha} codec={s.codec}")
+    print(f"sync         {s.method} H={s.inner_steps} P={s.fragments} tau={s.overlap} alpha={s.alpha} codec={s.codec} "
+          f"clip={s.clip} audit={s.audit}")
     print(f"swarm        group of {m.swarm.group_size}, matchmaking {m.swarm.matchmaking_timeout_s:g} s, "
           f"all-reduce {m.swarm.allreduce_timeout_s:g} s")
     return 0

@@ -6,6 +6,8 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
 - ``push1e30``: values near 1e30 in every push;
 - ``mean1000``: as a reducer, its mean x1000 to everyone (and so held itself: one lie, no two
   means to compare);
+- ``negate``: as a reducer, its mean negated, to everyone: a lie of plausible size, which only
+  an audit of its inputs shows (``peer.audit``);
 - ``equivocate``: as a reducer, its mean x1000 to one member, the true one to the others;
 - ``withhold``: as a reducer, its mean to every contributor but one.
 
@@ -22,7 +24,7 @@ import torch
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 
-LIES = frozenset({"push1000", "push1e30", "mean1000", "equivocate", "withhold"})
+LIES = frozenset({"push1000", "push1e30", "mean1000", "negate", "equivocate", "withhold"})
 
 
 def parse_lies(fault: str) -> frozenset[str]:
@@ -48,7 +50,11 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
         return await allreduce(group, vector, weight)
 
     def lying_encode(rnd, part: int, values: torch.Tensor):
-        return encode(rnd, part, values * 1000.0 if "mean1000" in lies and part == rnd.me else values)
+        if part == rnd.me and "mean1000" in lies:
+            values = values * 1000.0
+        if part == rnd.me and "negate" in lies:
+            values = -values
+        return encode(rnd, part, values)
 
     async def lying_deliver(rnd, j: int, frames, deadline, sent, drop_on_failure):
         ours = frames is rnd.frames.get(rnd.me)  # our reduced part, not a push or a forward

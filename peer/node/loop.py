@@ -142,7 +142,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             train = self.signed.manifest.train
             self.averager = Averager(self.net.p2p, self.identity, self.run_id, upload=self.upload_limiter,
                                      download=self.download_limiter, clip=train.sync.clip,
-                                     max_weight=train.max_sync_tokens())
+                                     max_weight=train.max_sync_tokens(), audit=train.sync.audit)
             self.averager.reconnect = self._reconnect_relayed
             if lies := parse_lies(_FAULT):  # the swarm tests' lying peer (peer.node.faults)
                 make_liar(self.averager, lies)
@@ -153,10 +153,11 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
                                             chunk_bytes=swarm.state_chunk_bytes)
             self.net.call(self.state_server.start(), timeout=30)
             self.ledger = CreditLedger(self.cfg.data_dir / self.signed.run_id_text / "credit.json")
-            self.bans = Bans(self.cfg.data_dir / self.signed.run_id_text / "bans", self.run_id)
+            self.bans = Bans(self.cfg.data_dir / self.signed.run_id_text / "bans", self.run_id, train.sync.clip)
             self.bans.load()
             self.averager.banned = self.bans.peer_ids  # one set: a ban holds from the next round on
             self.matchmaker.distrusted |= {public_key_from_peer_id(b.peer_id) for b in self.bans.items()}
+            self.averager.audits.distrust = self.matchmaker.distrusted.add  # from the network thread: one set.add
             self.state_digest = b""
             self.state_rounds: tuple[int, ...] = ()  # the rounds state_digest is at
             self._publishing: list = []  # (rounds, lineage, future) of each state being published, oldest first

@@ -158,6 +158,18 @@ class SyncMixin:
             outcome.average[start:end] = 0.0
         return outcome, len(group.members), bytes(group.group_id)
 
+    def _judge(self, offences, refused, why_refused: str) -> None:
+        """Proven lies (banned, evidence saved; here, on the training thread, which writes it to
+        disk) and reducers refused without proof: from our next round on, we group with none."""
+        for key, why, evidence in offences:
+            if self.bans is not None:
+                self.bans.add(key, why, evidence)
+            self.matchmaker.distrusted.add(bytes(key))
+        for key in refused:
+            if key != self.identity.public_key and key not in self.matchmaker.distrusted:
+                self.matchmaker.distrusted.add(key)
+                log.warning("not grouping with peer=%s any more: %s", peer_id_from_public_key(key), why_refused)
+
     def _land(self, sync: InFlight, swarm) -> None:
         worker = self.worker
         fragment, round_ = sync.fragment, sync.round
@@ -186,15 +198,7 @@ class SyncMixin:
             self._remember(FragmentSyncFailed(at=time.time(), fragment=fragment, round=round_, reason=reason[:256]))
         else:
             avg = outcome.average
-            for key, why, frame in outcome.offences:  # a proven lie: banned from our next round on
-                if self.bans is not None:  # (here, on the training thread: the evidence is written to disk)
-                    self.bans.add(key, why, frame)
-                self.matchmaker.distrusted.add(bytes(key))
-            for key in outcome.refused:  # a mean too large for its contributions: we no longer group with it
-                if key != self.identity.public_key and key not in self.matchmaker.distrusted:
-                    self.matchmaker.distrusted.add(key)
-                    log.warning("not grouping with peer=%s any more: its reduced part was too large for its "
-                                "contributions", peer_id_from_public_key(key))
+            self._judge(outcome.offences, outcome.refused, "its reduced part was too large for its contributions")
             if not outcome.agreed:  # a member that took part never reported, or a reducer sent two
                 self._alone_this_round = True  # means: the members may land different averages: compare after
                 self._new_lineage()
@@ -208,6 +212,8 @@ class SyncMixin:
                 contributors=max(1, size - len(outcome.dropped)), weight=float(weight),
                 duration_s=outcome.elapsed_s, waited_s=waited, bytes_sent=outcome.bytes_sent,
                 bytes_received=outcome.bytes_received))
+        if (audits := getattr(self.averager, "audits", None)) is not None:  # of earlier rounds (peer.audit)
+            self._judge(_drain(audits.offences), _drain(audits.refused), "it did not show the inputs of its mean")
         self.stats.traffic.append((time.monotonic(), self.stats.bytes_sent, self.stats.bytes_received))
         # a fragment's weight counts every token since its last sync, and each of the P fragments
         # carries those same tokens for its 1/P of the model: credit 1/P of them per fragment
@@ -222,3 +228,10 @@ class SyncMixin:
                        "digest": hashlib.sha256(worker.outer[fragment].global_flat.numpy().tobytes()).hexdigest()[:16],
                        "train_loss": round(last_loss, 4)})
         log.info("fragment synced fragment=%d round=%d alone=%s", fragment, round_, outcome is None)
+
+
+def _drain(queue: Any) -> list[Any]:
+    out = []
+    while queue:
+        out.append(queue.popleft())
+    return out

@@ -192,6 +192,7 @@ def test_host_join_status_pause_resume_stop_with_two_identities(tmp_path, runnin
     assert metrics['swarmstream_syncs_total{outcome="ok"}'] >= 1 and metrics["swarmstream_tokens_total"] > 0
     assert metrics['swarmstream_bytes_total{direction="sent"}'] > 0 and metrics["swarmstream_peers"] >= 1
     assert metrics["swarmstream_train_loss"] > 0 and metrics["swarmstream_banned_peers"] == 0
+    assert metrics['swarmstream_audits_total{verdict="wrong"}'] == 0  # honest means are never proven wrong
 
     paused = swarmstream(joiner_home, "pause")
     assert paused.returncode == 0 and paused.stdout.startswith("paused"), paused.stdout + paused.stderr

@@ -9,6 +9,7 @@ import pytest
 
 from peer.demo import Demo, demo_manifest
 from peer.identity_store import load_or_create_identity
+from protocol.identity import peer_id_from_public_key
 from swarm_util import Events
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
@@ -56,6 +57,22 @@ def run(workdir: Path, demos, peers: int, setup: Path, envs=None) -> tuple[Demo,
     return demo, events.drain()
 
 
+def _setup(tmp_path: Path, **sync) -> Path:
+    """A run's manifest and the keys of its peers 0..3, shared by the runs of one test."""
+    setup = tmp_path / "setup"
+    setup.mkdir()
+    (setup / "demo.swarmrun").write_bytes(demo_manifest(4, setup / "peer0.key", **sync))
+    for i in range(1, 4):
+        load_or_create_identity(setup / f"peer{i}.key")
+    return setup
+
+
+def _agreed(seen, honest) -> None:
+    shared = shared_landings(seen, honest)
+    assert shared, "the honest peers never landed a group together from one copy"
+    assert all(len(d) == 1 for d in shared.values()), f"honest members of a group landed different results: {shared}"
+
+
 def test_a_node_lying_three_ways_at_once_leaves_the_honest_ones_agreeing_finite_and_within_2pct(tmp_path, demos):
     """Peer 3 pushes its pseudo-gradients x1000, returns its reduced part x1000 to everyone,
     and withholds it from one member, every round. The three honest peers clip its pushes,
@@ -63,12 +80,7 @@ def test_a_node_lying_three_ways_at_once_leaves_the_honest_ones_agreeing_finite_
     deadline), stop grouping with it, and land one result in every group they share. Their
     held-out loss stays finite and within 2% of the same three peers training without it."""
     honest = (0, 1, 2)
-    setup = tmp_path / "setup"
-    setup.mkdir()
-    (setup / "demo.swarmrun").write_bytes(demo_manifest(4, setup / "peer0.key"))
-    for i in range(1, 4):
-        load_or_create_identity(setup / f"peer{i}.key")
-
+    setup = _setup(tmp_path)
     baseline, _ = run(tmp_path / "honest", demos, 3, setup)
     base = sum(baseline.summaries[i]["heldout_loss"] for i in honest) / 3
 
@@ -79,11 +91,34 @@ def test_a_node_lying_three_ways_at_once_leaves_the_honest_ones_agreeing_finite_
     assert any("reduced part too large" in text for text in logs), "nobody refused the liar's mean"
     assert any("clipped slice" in text for text in logs), "nobody clipped the liar's pushes"
     assert all("not grouping with peer" in text for text in logs), "an honest peer kept grouping with the liar"
-    shared = shared_landings(seen, honest)
-    assert shared, "the honest peers never landed a group together from one copy"
-    assert all(len(d) == 1 for d in shared.values()), f"honest members of a group landed different results: {shared}"
+    _agreed(seen, honest)
     attacked = [demo.summaries[i]["heldout_loss"] for i in honest]
     assert all(math.isfinite(h) and h > 0 for h in attacked), attacked
     mean = sum(attacked) / 3
     print(f"held-out loss after {ROUNDS} rounds: honest peers beside the liar {mean:.4f}, without it {base:.4f}")
     assert abs(mean - base) <= 0.02 * base, (mean, base)
+
+
+def test_a_reducer_whose_mean_does_not_follow_from_its_inputs_is_proven_and_banned_by_every_auditor(tmp_path, demos):
+    """Peer 3 returns its reduced part negated to everyone, every round: a mean of plausible
+    size, which no norm bound catches, so the honest peers land it alike. With ``sync.audit``
+    = 1 each honest peer fetches the inputs of every other reducer's mean and recomputes it:
+    honest means pass, and each honest peer proves the liar's wrong, bans it with the frames
+    that prove it saved in its data dir (``bans/<peer>.frames``), and stops grouping with it.
+    The honest peers land one result in every group they share, and their loss stays finite."""
+    honest = (0, 1, 2)
+    setup = _setup(tmp_path, audit=1.0)
+    demo, seen = run(tmp_path / "attacked", demos, 4, setup, envs={
+        3: {"SWARMSTREAM_FAULT": "lie:negate"}, **{i: {"SWARMSTREAM_LOG": "INFO"} for i in honest}})
+    logs = [(tmp_path / "attacked" / f"peer{i}.log").read_text() for i in honest]
+    liar = peer_id_from_public_key(load_or_create_identity(setup / "peer3.key").public_key)
+    assert any("audit passed" in text for text in logs), "no honest mean was audited"
+    for i, text in zip(honest, logs):
+        assert f"banned peer={liar} reason=SliceAveraged: a mean of part" in text, f"peer {i} did not ban the liar"
+        assert list((tmp_path / "attacked" / f"peer{i}").rglob(f"bans/{liar}.frames")), f"peer {i} kept no evidence"
+    wrong = [line for text in logs for line in text.splitlines() if "signed a wrong mean" in line]
+    assert wrong and all(f"reducer={liar}" in line for line in wrong), wrong  # never an honest reducer
+    _agreed(seen, honest)
+    attacked = [demo.summaries[i]["heldout_loss"] for i in honest]
+    assert all(math.isfinite(h) and h > 0 for h in attacked), attacked
+    print(f"held-out loss after {ROUNDS} rounds beside a negating reducer: {sum(attacked) / 3:.4f}")

@@ -28,7 +28,7 @@ def mean(values: torch.Tensor, part: int = 0, offset: int = 0, signer: Identity 
          contributors: tuple = tuple(range(N))) -> bytes:
     return seal(SliceAveraged(run_id=RUN, fragment=0, round=round_, group_id=GID, part=part, offset=offset,
                               numel=values.numel(), shape=(values.numel(),), dtype="float32", codec="fp32",
-                              weight=float(len(contributors)), contributors=contributors,
+                              weight=float(len(contributors)), contributors=contributors, inputs=b"i" * 32,
                               payload=get_codec("fp32").encode(values)), signer)
 
 

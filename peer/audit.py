@@ -1,0 +1,186 @@
+"""Audits of other reducers' means, and answers to audits of ours (``protocol.audit`` checks).
+
+After each round, this member audits each part it holds from another reducer with
+probability ``rate`` (the run's ``sync.audit``; drawn from the OS's randomness, so a reducer
+cannot know which of its means will be audited). It sends the reducer an ``AuditRequest``;
+the reducer answers on a stream of its own with the inputs of its mean: the contributors'
+signed pushes (forwarded unchanged) and its own slice as signed raw fp32 ``PushSlice``
+frames. The auditor recomputes the mean off the training path (the round has landed):
+
+- a mean that does not follow from the inputs the reducer committed to is proof
+  (``protocol.audit.WRONG``): the frames go to ``offences``, and the node bans the reducer
+  with them as evidence (``peer.bans``) and stops grouping with it;
+- a reducer that does not show inputs matching its commitment within ``2 x`` the round's
+  deadline (``UNPROVEN``) proves nothing, but this member stops grouping with it
+  (``refused``), as with a mean too large to be honest.
+
+An honest round's members all hold the reducer's one signed mean (``peer.allreduce_round``
+agreement), so a lie caught this way was landed alike by every honest member: they stay
+identical, and the liar is out of this member's groups from its next round on.
+
+A reducer answers each member's request for one of its parts once, for its last few rounds
+(``peer.allreduce``'s recent rounds), so requests cannot make it send more than ``n - 1``
+answers per round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from protocol.audit import OK, OWN_CODEC, UNPROVEN, WRONG, check
+from protocol.envelope import Verified, seal_parts
+from protocol.messages_swarm import AuditRequest, PushSlice
+
+if TYPE_CHECKING:
+    from peer.allreduce import Averager
+    from peer.allreduce_round import Round
+    from protocol.identity import Identity
+
+__all__ = ["Audits", "inputs_frames"]
+
+log = logging.getLogger("peer.allreduce")
+
+_ANSWERED_MEMORY = 1024  # (group, member) pairs answered: each member is answered once per group
+_WAIT = 2.0  # x the round's deadline: how long an auditor waits for the inputs
+
+
+class _Open:
+    """An audit waiting for the reducer's inputs."""
+
+    def __init__(self, rnd: Round, part: int):
+        self.reducer = rnd.peer_ids[part]
+        self.contributors = len(rnd.contributors[part])
+        s, e = rnd.bounds[part]
+        self.size = e - s
+        self.budget = self.contributors * (4 * self.size + 4096 * (1 + self.size // 4096))  # bytes we take
+        self.frames: list[bytes] = []
+        self.covered: Counter[bytes] = Counter()  # signer -> elements
+        self.done = asyncio.Event()
+
+    def take(self, v: Verified, data: bytes) -> None:
+        if self.done.is_set() or len(data) > self.budget:
+            return
+        self.budget -= len(data)
+        self.frames.append(bytes(data))
+        self.covered[v.signer] += v.message.numel  # type: ignore[attr-defined]
+        if len(self.covered) >= self.contributors and all(c >= self.size for c in self.covered.values()):
+            self.done.set()
+
+
+class Audits:
+    """One averager's audits (see the module docstring)."""
+
+    def __init__(self, averager: Averager, rate: float, clip: float):
+        self.averager, self.rate, self.clip = averager, rate, clip
+        self._open: dict[tuple[bytes, int], _Open] = {}
+        self._answered: deque[tuple[bytes, str]] = deque(maxlen=_ANSWERED_MEMORY)
+        self._random = random.SystemRandom()
+        self.offences: deque[tuple[bytes, str, tuple[bytes, ...]]] = deque(maxlen=64)
+        """Proven wrong means: (reducer's key, what, the frames that prove it); the node takes them."""
+        self.refused: deque[bytes] = deque(maxlen=256)
+        """Keys of reducers that did not show the inputs of a mean we audited; the node takes them."""
+        self.counts: Counter[str] = Counter()  # verdicts so far
+        self.distrust: Callable[[bytes], None] | None = None
+        """Called with a convicted or refused reducer's key as soon as the verdict is in, so the
+        matchmaking leaves it out from now (the node sets it; the ban itself comes at its next landing)."""
+
+    # --- auditing others ------------------------------------------------------------------
+
+    def after(self, rnd: Round, fallback: tuple[int, ...]) -> None:
+        """The round is over: audit each part we hold from another reducer with probability ``rate``."""
+        for j in range(rnd.n):
+            if j == rnd.me or not rnd.size(j) or not rnd.holds(j) or j in fallback or j in rnd.convicted:
+                continue
+            if self.rate <= 0 or self._random.random() >= self.rate:
+                continue
+            task = asyncio.create_task(self._audit(rnd, j))
+            self.averager._side_tasks.add(task)
+            task.add_done_callback(self.averager._side_tasks.discard)
+
+    async def _audit(self, rnd: Round, j: int) -> None:
+        g, av = rnd.group, self.averager
+        key = (bytes(g.group_id), j)
+        if key in self._open:
+            return
+        pending = self._open[key] = _Open(rnd, j)
+        mean_frames = [b"".join(bytes(x) for x in f) for f in rnd.frames[j]]
+        request = AuditRequest(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id, part=j)
+        wait = _WAIT * g.deadline_s
+        try:
+            await asyncio.wait_for(av._send_frames(pending.reducer, [seal_parts(request, av.identity)]), wait)
+            await asyncio.wait_for(pending.done.wait(), wait)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001  (unreachable or silent: judged on what came)
+            log.info("audit got no full answer part=%d reducer=%s detail=%r", j, pending.reducer, e)
+        finally:
+            del self._open[key]
+        verdict, reducer, why = check(mean_frames, pending.frames, g.run_id, self.clip)
+        self.counts[verdict] += 1
+        if verdict != OK and self.distrust is not None:
+            self.distrust(bytes(g.members[j]))
+        if verdict == WRONG and reducer is not None:
+            log.warning("audit: reducer signed a wrong mean part=%d reducer=%s group=%s: %s", j, pending.reducer,
+                        g.group_id.hex(), why)
+            self.offences.append((reducer, why, tuple(mean_frames) + tuple(pending.frames)))
+        elif verdict == UNPROVEN:
+            log.warning("audit: reducer did not show the inputs of its mean part=%d reducer=%s group=%s: %s; "
+                        "not grouping with it any more", j, pending.reducer, g.group_id.hex(), why)
+            self.refused.append(bytes(g.members[j]))
+        else:
+            log.info("audit passed part=%d reducer=%s group=%s %s", j, pending.reducer, g.group_id.hex(), why)
+
+    def take(self, peer_id: str, v: Verified, data: bytes) -> bool:
+        """A frame of an answer to one of our audits? (a push, forwarded or its own, sent to us
+        by the reducer we audit) -> True if taken here."""
+        msg = v.message
+        if not isinstance(msg, PushSlice):
+            return False
+        pending = self._open.get((bytes(msg.group_id), msg.part))
+        if pending is None or pending.reducer != peer_id:
+            return False
+        pending.take(v, data)
+        return True
+
+    # --- answering audits of ours ---------------------------------------------------------
+
+    def answer(self, peer_id: str, msg: AuditRequest) -> None:
+        """A member asks for the inputs of our mean of ``msg.part``: send them, once."""
+        av = self.averager
+        gid = bytes(msg.group_id)
+        rnd = av._active.get(gid) or av._recent.get(gid)
+        if rnd is None or msg.part != rnd.me or not rnd.own_chunks or peer_id not in rnd.index \
+                or (gid, peer_id) in self._answered:
+            log.info("audit request not answered peer=%s group=%s part=%d", peer_id, gid.hex(), msg.part)
+            return
+        self._answered.append((gid, peer_id))
+        frames = inputs_frames(rnd, av.identity)
+        task = asyncio.create_task(self._send(peer_id, frames, _WAIT * rnd.group.deadline_s))
+        av._side_tasks.add(task)
+        task.add_done_callback(av._side_tasks.discard)
+
+    async def _send(self, peer_id: str, frames: list[list[Any]], timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self.averager._send_frames(peer_id, frames), timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001  (an auditor we cannot reach: its problem)
+            log.info("audit answer not delivered peer=%s detail=%r", peer_id, e)
+
+
+def inputs_frames(rnd: Round, identity: Identity) -> list[list[Any]]:
+    """The inputs of our mean of our part, as an auditor gets them: the contributors' signed
+    pushes as they came, and our own slice as raw fp32 ``PushSlice`` frames we sign."""
+    g = rnd.group
+    frames: list[list[Any]] = [[data] for i in sorted(rnd.push_frames) for *_, data in rnd.push_frames[i]]
+    for offset, numel, payload in rnd.own_chunks:
+        own = PushSlice(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id, part=rnd.me,
+                        offset=offset, numel=numel, shape=(numel,), dtype="float32", codec=OWN_CODEC,
+                        weight=g.weights[rnd.me], payload=payload)
+        frames.append(seal_parts(own, identity))
+    return frames

@@ -1,0 +1,179 @@
+"""Audit of a reducer: does the mean it signed follow from the inputs it committed to?
+
+A reducer's ``SliceAveraged`` carries ``inputs``, a digest of what it averaged: for every
+contributor, its public key, its weight and the chunks of its slice (offset, size, payload
+digest), the reducer's own slice as raw fp32 (``inputs_digest``). Everyone who holds the
+part sees the same commitment. A member that audits the part asks the reducer for those
+inputs (``AuditRequest``); the reducer answers with the contributors' ``PushSlice`` frames,
+signed by them, and its own slice as ``PushSlice`` frames of codec ``fp32`` signed by itself
+(an honest member never pushes its own part to anyone otherwise).
+
+``check`` recomputes the mean from the inputs, as ``protocol.butterfly`` says a reducer
+computes it (each contribution scaled to ``clip`` x the lower median norm, weighted by its
+share), encodes it with the part's codec, and compares with what the reducer signed:
+
+- ``OK``: the mean follows from the inputs, within ``TOLERANCE`` of the contributions' scale
+  (an honest reducer's differs only by the order of its float additions);
+- ``WRONG``: the inputs match the commitment and the mean does not follow from them. The
+  frames prove it to anyone (``peer.bans`` keeps them): the reducer signed both, and the
+  pushes are signed by their senders, so nobody else can make such a set. A contributor
+  that signs two different pushes cannot frame an honest reducer either: only the push the
+  reducer committed to matches the commitment;
+- ``UNPROVEN``: the frames do not match the commitment, or are incomplete: the reducer did not
+  show its inputs, which proves nothing to others (the auditor stops grouping with it).
+
+What an audit bounds: the reducer's own slice is its word, so a reducer that lies
+consistently can still move its part as far as any contributor can (``clip`` x the lower
+median norm x its weight share); no further. An audit costs the auditor about
+``(n - 1) x`` the part's encoded size plus 4 bytes per element (the raw own slice).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterable, Sequence
+
+import msgpack
+import torch
+
+from protocol.butterfly import clip_scales, slice_norm
+from protocol.codecs import get_codec
+from protocol.envelope import Verified, verify
+from protocol.errors import ProtocolError, RemoteProtocolError
+from protocol.messages import MAX_FRAME_BYTES, digest
+from protocol.messages_swarm import PushSlice, SliceAveraged
+
+__all__ = ["OK", "TOLERANCE", "UNPROVEN", "WRONG", "check", "contribution_digest", "inputs_digest",
+           "wrong_mean"]
+
+OK, WRONG, UNPROVEN = "ok", "wrong", "unproven"
+TOLERANCE = 0.02
+"""A signed mean further than this x the sum of the weighted, clipped contributions' norms
+from the recomputed one is wrong. An honest mean is within float rounding (~1e-7) of it."""
+OWN_CODEC = "fp32"  # the reducer's own slice, as it averaged it: unencoded
+
+
+def contribution_digest(key: bytes, weight: float, chunks: Iterable[tuple[int, int, bytes]]) -> bytes:
+    """One contributor's share of a commitment: its key, its weight, and its chunks
+    (offset, numel, payload digest) in offset order."""
+    ordered = [[o, n, bytes(d)] for o, n, d in sorted(chunks)]
+    return digest(msgpack.packb([bytes(key), struct.pack("<d", weight), ordered], use_bin_type=True))
+
+
+def inputs_digest(contributions: Iterable[bytes]) -> bytes:
+    """A reducer's commitment: the digest of its contributors' ``contribution_digest`` s, sorted."""
+    return digest(*sorted(bytes(c) for c in contributions))
+
+
+def check(mean_frames: Sequence[bytes], input_frames: Sequence[bytes], run_id: bytes,
+          clip: float) -> tuple[str, bytes | None, str]:
+    """-> (``OK`` | ``WRONG`` | ``UNPROVEN``, the reducer's key or None, what was found); see the
+    module docstring. Never raises on bad frames: they prove nothing (``UNPROVEN``)."""
+    try:
+        means = [verify(f, expect=(SliceAveraged,), run_id=run_id, max_size=MAX_FRAME_BYTES) for f in mean_frames]
+    except RemoteProtocolError as e:
+        return UNPROVEN, None, f"a mean frame does not verify: {e}"
+    if not means:
+        return UNPROVEN, None, "no mean"
+    reducer = means[0].signer
+    try:
+        return _check(means, input_frames, run_id, clip)
+    except (ProtocolError, ValueError) as e:
+        return UNPROVEN, reducer, str(e)[:200]
+
+
+def _check(means: list[Verified], input_frames: Sequence[bytes], run_id: bytes,
+           clip: float) -> tuple[str, bytes | None, str]:
+    head = means[0].message
+    assert isinstance(head, SliceAveraged)
+    reducer = means[0].signer
+    where = (head.fragment, head.round, bytes(head.group_id), head.part)
+    for v in means:
+        m = v.message
+        assert isinstance(m, SliceAveraged)
+        if v.signer != reducer or _where(m) != where or m.contributors != head.contributors \
+                or m.inputs != head.inputs or m.codec != head.codec:
+            raise ValueError("the mean frames are not one reducer's chunks of one part")
+    start, end, mean_chunks = _span([(v.message.offset, v.message.numel, v.message.payload) for v in means])
+    codec = get_codec(head.codec)
+
+    by_signer: dict[bytes, list[tuple[int, int, bytes, bytes]]] = {}
+    weights: dict[bytes, float] = {}
+    for f in input_frames:
+        v = verify(f, expect=(PushSlice,), run_id=run_id, max_size=MAX_FRAME_BYTES)
+        m = v.message
+        assert isinstance(m, PushSlice)
+        if _where(m) != where:
+            raise ValueError("an input frame is for another group or part")
+        if m.codec != (OWN_CODEC if v.signer == reducer else head.codec) or m.dtype != "float32" \
+                or tuple(m.shape) != (m.numel,):
+            raise ValueError(f"an input frame has codec {m.codec} / shape {tuple(m.shape)}")
+        if weights.setdefault(v.signer, m.weight) != m.weight:
+            raise ValueError("one contributor's input frames carry different weights")
+        by_signer.setdefault(v.signer, []).append((m.offset, m.numel, bytes(v.payload_digest), m.payload))
+    if reducer not in by_signer or len(by_signer) != len(head.contributors):
+        raise ValueError(f"inputs of {len(by_signer)} contributors for a mean of {len(head.contributors)}")
+    commitment = inputs_digest(contribution_digest(k, weights[k], [(o, n, d) for o, n, d, _ in chunks])
+                               for k, chunks in by_signer.items())
+    if commitment != bytes(head.inputs):
+        return UNPROVEN, reducer, "the inputs shown are not the ones the reducer committed to"
+
+    keys = sorted(by_signer)
+    values = []
+    for k in keys:
+        s, e, chunks = _span([(o, n, p) for o, n, _, p in by_signer[k]])
+        if (s, e) != (start, end):
+            raise ValueError("an input does not cover the part")
+        c = get_codec(OWN_CODEC if k == reducer else head.codec)
+        values.append(torch.cat([c.decode(p, n) for _, n, p in chunks]))  # raises on non-finite values
+    norms = [slice_norm(x) for x in values]
+    scales = clip_scales(norms, clip)
+    total = math.fsum(weights[k] for k in keys)
+    if not total > 0:
+        raise ValueError("the contributors' weights do not sum to a positive total")
+    if not math.isclose(total, head.weight, rel_tol=1e-9, abs_tol=1e-12):
+        return WRONG, reducer, (f"SliceAveraged: a mean of part {head.part} (round {head.round}, fragment "
+                                f"{head.fragment}) over a weight of {head.weight:g}, from inputs weighing {total:g}")
+    acc = torch.zeros(end - start, dtype=torch.float32)
+    scale_sum = 0.0
+    for k, x, norm, scale in zip(keys, values, norms, scales):
+        w = weights[k] / total * scale
+        acc.add_(x, alpha=w)
+        scale_sum += w * norm
+    expected = torch.cat([codec.decode(codec.encode(acc[o - start:o - start + n]), n) for o, n, _ in mean_chunks])
+    signed = torch.cat([codec.decode(p, n) for _, n, p in mean_chunks])
+    off = slice_norm(signed - expected)
+    if off > TOLERANCE * scale_sum + 1e-30:
+        return WRONG, reducer, (f"SliceAveraged: a mean of part {head.part} (round {head.round}, fragment "
+                                f"{head.fragment}) {off:.3g} away from the one its committed inputs give")
+    return OK, reducer, f"within {off:.3g}"
+
+
+def wrong_mean(frames: Sequence[bytes], run_id: bytes, clip: float) -> tuple[bytes, str] | None:
+    """(the reducer's key, what it did) if ``frames`` (a part's ``SliceAveraged`` frames and the
+    inputs its reducer showed, in any order) prove that it signed a wrong mean; else None."""
+    means, inputs = [], []
+    for f in frames:
+        try:
+            kind = verify(f, expect=(SliceAveraged, PushSlice), run_id=run_id, max_size=MAX_FRAME_BYTES).message
+        except RemoteProtocolError:
+            return None
+        (means if isinstance(kind, SliceAveraged) else inputs).append(f)
+    verdict, key, why = check(means, inputs, run_id, clip)
+    return (key, why) if verdict == WRONG and key is not None else None
+
+
+def _where(m: PushSlice | SliceAveraged) -> tuple:
+    return (m.fragment, m.round, bytes(m.group_id), m.part)
+
+
+def _span(chunks: list[tuple[int, int, bytes]]) -> tuple[int, int, list[tuple[int, int, bytes]]]:
+    """Chunks (offset, numel, payload) in offset order, checked to tile [start, end) once."""
+    ordered = sorted(chunks, key=lambda c: c[0])
+    start = end = ordered[0][0]
+    for o, n, _ in ordered:
+        if o != end or n <= 0:
+            raise ValueError("the chunks leave a gap or overlap")
+        end = o + n
+    return start, end, ordered

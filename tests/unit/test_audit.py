@@ -1,0 +1,145 @@
+"""Audits of a reducer's mean (protocol.audit, peer.audit.inputs_frames): an honest reducer's
+mean always follows from the inputs it committed to; a lie of plausible size (negated, another
+member's, a heavier own weight) is proven by the frames alone; and nobody can frame an honest
+reducer by showing other inputs than the ones it committed to."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from peer.allreduce import Group
+from peer.allreduce_round import Round
+from peer.audit import inputs_frames
+from peer.bans import Bans
+from protocol.audit import OK, UNPROVEN, WRONG, check, wrong_mean
+from protocol.codecs import get_codec
+from protocol.envelope import seal, verify
+from protocol.evidence import proves
+from protocol.identity import Identity, peer_id_from_public_key
+from protocol.messages_swarm import PushSlice, SliceAveraged
+
+RUN = b"\x07" * 20
+KEYS = [Identity.from_seed(bytes([0x40 + i]) * 32) for i in range(5)]
+
+
+def _group(n: int, numel: int, codec: str, weights: tuple[float, ...]) -> Group:
+    return Group(run_id=RUN, fragment=1, round=3, group_id=b"a" * 16, members=tuple(k.public_key for k in KEYS[:n]),
+                 weights=weights, numel=numel, codec=codec, deadline_s=5.0)
+
+
+def _push(g: Group, sender: int, part: int, values: torch.Tensor, step: int) -> list[bytes]:
+    s, e = Round(g, sender, values, get_codec(g.codec)).bounds[part]
+    frames = []
+    for a in range(s, e, step):
+        b = min(a + step, e)
+        frames.append(seal(PushSlice(run_id=RUN, fragment=g.fragment, round=g.round, group_id=g.group_id, part=part,
+                                     offset=a, numel=b - a, shape=(b - a,), dtype="float32", codec=g.codec,
+                                     weight=g.weights[sender], payload=get_codec(g.codec).encode(values[a:b])),
+                           KEYS[sender]))
+    return frames
+
+
+def reduce_and_audit(vectors: list[torch.Tensor], codec: str, weights: tuple[float, ...], clip: float,
+                     step: int, lie=None) -> tuple[list[bytes], list[bytes], Round]:
+    """Member 0 reduces part 0 of a group of len(vectors), as peer.allreduce does it, and shows
+    its inputs to an auditor. ``lie`` changes the mean it signs. -> (mean frames, inputs, round)."""
+    n, numel = len(vectors), vectors[0].numel()
+    g = _group(n, numel, codec, weights)
+    rnd = Round(g, 0, vectors[0], get_codec(codec), clip)
+    for i in range(1, n):
+        for f in _push(g, i, 0, vectors[i], step):
+            rnd.accept(peer_id_from_public_key(KEYS[i].public_key), verify(f), len(f), f)
+    mean, contrib, total = rnd.reduce()
+    inputs = rnd.commit(contrib, step)
+    if lie is not None:
+        mean = lie(mean, vectors)
+    s, e = rnd.bounds[0]
+    c = get_codec(codec)
+    means = [seal(SliceAveraged(run_id=RUN, fragment=g.fragment, round=g.round, group_id=g.group_id, part=0,
+                                offset=a, numel=min(a + step, e) - a, shape=(min(a + step, e) - a,), dtype="float32",
+                                codec=codec, weight=total, contributors=contrib, inputs=inputs,
+                                payload=c.encode(mean[a - s:min(a + step, e) - s])), KEYS[0])
+             for a in range(s, e, step)]
+    shown = [b"".join(bytes(x) for x in f) for f in inputs_frames(rnd, KEYS[0])]
+    return means, shown, rnd
+
+
+def _vectors(n: int, numel: int, seed: int = 0, spread: float = 1.0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=gen) * spread ** (i / max(1, n - 1)) for i in range(n)]
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8", "fp4"])
+@pytest.mark.parametrize("clip", [0.0, 2.0])
+def test_an_honest_reducers_mean_follows_from_its_inputs(codec, clip):
+    vectors = _vectors(4, 4 * 1000)
+    vectors[2] = vectors[2] * 1000  # one contribution clipped
+    means, shown, _ = reduce_and_audit(vectors, codec, (1.0, 2.0, 3.0, 1.5), clip, step=256)
+    assert check(means, shown, RUN, clip)[0] == OK
+    assert wrong_mean(means + shown, RUN, clip) is None
+    assert proves(means + shown, RUN, clip) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(2, 5), per=st.integers(1, 700), codec=st.sampled_from(["fp32", "fp16", "int8", "fp4"]),
+       clip=st.sampled_from([0.0, 1.0, 2.0, 5.0]), spread=st.floats(1e-3, 1e3), seed=st.integers(0, 2**16),
+       step=st.sampled_from([256, 512]))
+def test_honest_means_always_pass(n, per, codec, clip, spread, seed, step):
+    weights = tuple(float(1 + (seed + i) % 7) for i in range(n))
+    means, shown, _ = reduce_and_audit(_vectors(n, n * per, seed, spread), codec, weights, clip, step)
+    assert check(means, shown, RUN, clip)[0] == OK
+
+
+def _negate(mean, _vectors):
+    return -mean
+
+
+def _another_members(mean, vectors):
+    return vectors[1][: mean.numel()].clone()
+
+
+def _shifted(mean, _vectors):
+    return mean + 0.3 * mean.norm() / mean.numel() ** 0.5
+
+
+@pytest.mark.parametrize("lie", [_negate, _another_members, _shifted])
+@pytest.mark.parametrize("codec", ["fp32", "fp4"])
+def test_a_plausible_wrong_mean_is_proven_by_its_frames(lie, codec, tmp_path):
+    means, shown, _ = reduce_and_audit(_vectors(4, 4 * 1000, seed=3), codec, (1.0, 1.0, 1.0, 1.0), 2.0, 256, lie)
+    verdict, key, why = check(means, shown, RUN, 2.0)
+    assert (verdict, key) == (WRONG, KEYS[0].public_key), why
+    bans = Bans(tmp_path, RUN, 2.0)
+    assert bans.add(KEYS[0].public_key, why, tuple(means + shown))
+    again = Bans(tmp_path, RUN, 2.0)  # the evidence on disk proves it at the next start
+    again.load()
+    assert again.reason(KEYS[0].public_key) is not None
+
+
+def test_inputs_other_than_the_committed_ones_prove_nothing():
+    vectors = _vectors(3, 3 * 600, seed=5)
+    means, shown, _ = reduce_and_audit(vectors, "fp4", (1.0, 1.0, 1.0), 2.0, 256)
+    # a contributor signs a second, different push and hands it on: it does not match the commitment
+    g = _group(3, vectors[0].numel(), "fp4", (1.0, 1.0, 1.0))
+    other = _push(g, 1, 0, -vectors[1], 256)
+    swapped = [f for f in shown if verify(f).signer != KEYS[1].public_key] + other
+    assert check(means, swapped, RUN, 2.0)[0] == UNPROVEN
+    assert check(means, shown[:-1], RUN, 2.0)[0] == UNPROVEN  # incomplete
+    assert check(means, [], RUN, 2.0)[0] == UNPROVEN
+    assert wrong_mean(means + swapped, RUN, 2.0) is None
+
+
+def test_a_reducer_that_shows_a_heavier_own_weight_than_it_signed_is_proven():
+    vectors = _vectors(3, 3 * 300, seed=9)
+    means, shown, rnd = reduce_and_audit(vectors, "fp32", (1.0, 1.0, 1.0), 2.0, 256)
+    heavier = []
+    for f in shown:
+        v = verify(f)
+        if v.signer == KEYS[0].public_key:  # its own slice, now claimed at weight 5
+            f = seal(dataclasses.replace(v.message, weight=5.0), KEYS[0])
+        heavier.append(f)
+    # the weight is part of the commitment: a reducer that shows another one did not show its inputs
+    assert check(means, heavier, RUN, 2.0)[0] == UNPROVEN
