@@ -34,18 +34,18 @@ class DemoError(Exception):
     """A demo peer failed to start or exited with an error."""
 
 
-def demo_manifest(peers: int, identity_path: Path, **sync: Any) -> bytes:
+def demo_manifest(peers: int, identity_path: Path, swarm: dict[str, Any] | None = None, **sync: Any) -> bytes:
     """The demo run: tiny preset, stdlib text, Streaming DiLoCo with short rounds and deadlines
-    (``sync``: other SyncConfig fields, for tests)."""
+    (``sync``, ``swarm``: other SyncConfig and SwarmConfig fields, for tests)."""
     ident = load_or_create_identity(identity_path)
     sync = {"inner_steps": 20, "fragments": 2, "overlap": 1, "alpha": 0.5, "codec": "fp4", **sync}
     train = TrainConfig(model=model_preset("tiny"), data=DataConfig(source="stdlib"),
                         inner=InnerConfig(lr=3e-3, warmup_steps=20, total_steps=2000, batch_size=8),
                         sync=SyncConfig(**sync))
-    swarm = SwarmConfig(group_size=8, matchmaking_timeout_s=5.0, allreduce_timeout_s=20.0,
-                        heartbeat_interval_s=3.0, heartbeat_ttl_s=10.0)
+    swarm_config = SwarmConfig(**{"group_size": 8, "matchmaking_timeout_s": 5.0, "allreduce_timeout_s": 20.0,
+                                  "heartbeat_interval_s": 3.0, "heartbeat_ttl_s": 10.0, **(swarm or {})})
     manifest = RunManifest(name="local demo", description=f"{peers} peers on this machine", train=train,
-                           swarm=swarm, creator=ident.public_key, created_at=time.time())
+                           swarm=swarm_config, creator=ident.public_key, created_at=time.time())
     return sign_manifest(manifest, ident)
 
 

@@ -12,11 +12,18 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
 - ``withhold``: as a reducer, its mean to every contributor but one.
 
 The member lied to or withheld from is the one after it in the group's order.
+
+And a slow member, for the same tests: ``SWARMSTREAM_FAULT=stall:F:R:SECONDS`` blocks this node's
+network thread for SECONDS once, in fragment F's round R (or the first later one it averages in
+a group), right after it reduced its part and before its sends of it go out: what a member
+starved of CPU does to its group (its part reaches the others after their deadline, it reads
+theirs after its own, and it answers nobody meanwhile).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -74,3 +81,29 @@ def _scaled(averager: Any, frame: bytes, factor: float) -> bytes:
     codec = get_codec(msg.codec)
     payload = codec.encode(codec.decode(msg.payload, msg.numel) * factor)
     return seal(dataclasses.replace(msg, payload=payload), averager.identity)
+
+
+def parse_stall(fault: str) -> tuple[int, int, float] | None:
+    """(fragment, round, seconds) of a ``stall:F:R:SECONDS`` fault, else None."""
+    kind, _, what = fault.partition(":")
+    if kind != "stall":
+        return None
+    try:
+        f, r, seconds = what.split(":")
+        return int(f), int(r), float(seconds)
+    except ValueError:
+        raise ValueError(f"SWARMSTREAM_FAULT stall:{what}: expected stall:FRAGMENT:ROUND:SECONDS") from None
+
+
+def make_staller(averager: Any, fragment: int, round_: int, seconds: float) -> None:
+    """Wrap ``averager`` so that it blocks its event loop for ``seconds`` once (see the docstring)."""
+    wait_means, done = averager._wait_means, []
+
+    async def stalling_wait_means(rnd, deadline):
+        g = rnd.group
+        if not done and g.fragment == fragment and g.round >= round_ and rnd.n > 1:
+            done.append(g.round)
+            time.sleep(seconds)  # blocks the whole network thread, as a starved CPU would
+        return await wait_means(rnd, deadline)
+
+    averager._wait_means = stalling_wait_means

@@ -53,7 +53,7 @@ from peer.node.syncs import SyncMixin
 from peer.node.volunteer import VolunteerMixin, _LogToControl
 from peer.node.worker_state import WorkerStateMixin
 from peer.metrics import MetricsServer
-from peer.node.faults import make_liar, parse_lies
+from peer.node.faults import make_liar, make_staller, parse_lies, parse_stall
 from peer.pace import SwarmClock
 from peer.presence import Presence
 from peer.ratelimit import RateLimiter
@@ -146,6 +146,8 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             self.averager.reconnect = self._reconnect_relayed
             if lies := parse_lies(_FAULT):  # the swarm tests' lying peer (peer.node.faults)
                 make_liar(self.averager, lies)
+            if stall := parse_stall(_FAULT):  # and their starved one
+                make_staller(self.averager, *stall)
             self.net.call(self.averager.start(), timeout=30)
             self.matchmaker = Matchmaker(self.net.dht, self.identity, self.run_id, swarm,
                                          max_weight=train.max_sync_tokens())

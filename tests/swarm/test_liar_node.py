@@ -10,34 +10,12 @@ import pytest
 from peer.demo import Demo, demo_manifest
 from peer.identity_store import load_or_create_identity
 from protocol.identity import peer_id_from_public_key
-from swarm_util import Events
+from swarm_util import Events, shared_landings
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 ROUNDS = 10
 LIES = "lie:push1000+mean1000+withhold"
-
-
-def shared_landings(events, peers: tuple[int, ...]) -> dict[tuple[int, int, str], set[str]]:
-    """For every group landing that all of ``peers`` were in, entering it with the same copy of
-    the fragment (the digest each landed last, or the common initial model): the digests they
-    landed. Honest members of one group who held one copy must land one result."""
-    held: dict[tuple[int, int], str | None] = {}
-    landed: dict[tuple[int, int, str], dict[int, tuple[str | None, str]]] = {}
-    for i, ev in events:
-        if i not in peers:
-            continue
-        if ev.get("event") == "state_synced":
-            for f in range(len(ev["rounds"])):
-                held[(i, f)] = "?"
-        elif ev.get("event") == "synced":
-            key = (i, ev["fragment"])
-            if not ev["alone"]:
-                landed.setdefault((ev["fragment"], ev["round"], ev["group"]), {})[i] = (held.get(key), ev["digest"])
-            held[key] = ev["digest"]
-    return {k: {d for _, d in by_peer.values()} for k, by_peer in landed.items()
-            if len(by_peer) == len(peers) and len({b for b, _ in by_peer.values()}) == 1
-            and "?" not in {b for b, _ in by_peer.values()}}
 
 
 def run(workdir: Path, demos, peers: int, setup: Path, envs=None) -> tuple[Demo, list]:
