@@ -9,7 +9,10 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
 - ``negate``: as a reducer, its mean negated, to everyone: a lie of plausible size, which only
   an audit of its inputs shows (``peer.audit``);
 - ``equivocate``: as a reducer, its mean x1000 to one member, the true one to the others;
-- ``withhold``: as a reducer, its mean to every contributor but one.
+- ``withhold``: as a reducer, its mean to every contributor but one;
+- ``replay``: with every push, its push of the previous round to that peer again (signed for
+  the old group);
+- ``short``: every push 256 elements short of its slice (validly signed, well-formed chunks).
 
 The member lied to or withheld from is the one after it in the group's order.
 
@@ -31,7 +34,7 @@ import torch
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 
-LIES = frozenset({"push1000", "push1e30", "mean1000", "negate", "equivocate", "withhold"})
+LIES = frozenset({"push1000", "push1e30", "mean1000", "negate", "equivocate", "withhold", "replay", "short"})
 
 
 def parse_lies(fault: str) -> frozenset[str]:
@@ -61,10 +64,20 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
             values = values * 1000.0
         if part == rnd.me and "negate" in lies:
             values = -values
-        return encode(rnd, part, values)
+        chunks = encode(rnd, part, values)
+        if part != rnd.me and "short" in lies and chunks and chunks[-1][1] - chunks[-1][0] > 256:
+            a, b, _ = chunks[-1]
+            s = rnd.bounds[part][0]
+            chunks[-1] = (a, b - 256, rnd.codec.encode(values[a - s:b - 256 - s]))
+        return chunks
+
+    pushed: dict[str, list] = {}  # peer ID -> the frames we last pushed to it
 
     async def lying_deliver(rnd, j: int, frames, deadline, sent, drop_on_failure):
         ours = frames is rnd.frames.get(rnd.me)  # our reduced part, not a push or a forward
+        if drop_on_failure and "replay" in lies:  # a push
+            old, pushed[rnd.peer_ids[j]] = pushed.get(rnd.peer_ids[j], []), frames
+            frames = old + frames
         if ours and j == (rnd.me + 1) % rnd.n:
             if "withhold" in lies:
                 return
