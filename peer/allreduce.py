@@ -102,7 +102,7 @@ from protocol.envelope import seal_parts, verify
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.identity import Identity, peer_id_from_public_key
 from protocol.messages import MAX_FRAME_BYTES
-from protocol.messages_swarm import AuditRequest, PartsHeld, PushSlice, SliceAveraged
+from protocol.messages_swarm import AuditRequest, Evidence, PartsHeld, PushSlice, SliceAveraged
 
 __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_elements"]
 
@@ -289,7 +289,7 @@ class Averager:
         """Handle one frame; -> (group ID, message type) of a slice or part the stream's peer
         sent for itself (what its stream's end says something about), else None."""
         try:
-            v = verify(data, expect=(PushSlice, SliceAveraged, PartsHeld, AuditRequest), run_id=self.run_id,
+            v = verify(data, expect=(PushSlice, SliceAveraged, PartsHeld, AuditRequest, Evidence), run_id=self.run_id,
                        max_size=self.max_frame_bytes)
             if self.audits.take(peer_id, v, data):  # the inputs of a mean we audit, shown by its reducer
                 return None
@@ -301,6 +301,9 @@ class Averager:
             return None
         if isinstance(v.message, AuditRequest):
             self.audits.answer(peer_id, v.message)
+            return None
+        if isinstance(v.message, Evidence):
+            self.audits.evidence(peer_id, v.message)
             return None
         gid = bytes(v.message.group_id)  # type: ignore[attr-defined]
         nbytes = HEADER_LEN + len(data)
@@ -502,6 +505,7 @@ class Averager:
             log.warning("members hold different means of one part parts=%s group=%s: its reducer sent "
                         "different ones", list(disputed), gid.hex())
         offences, rnd.offences = tuple(rnd.offences.values()), {}  # the round is kept a while: not its evidence
+        self.audits.hand_on(rnd, offences)
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, partial, tuple(sorted(rnd.repaired)),
                                 rnd.settled() and not disputed, tuple(rnd.clipped),

@@ -32,9 +32,15 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgpack
+
+from peer.bans import MAX_EVIDENCE_FRAMES
 from protocol.audit import OK, OWN_CODEC, UNPROVEN, WRONG, check
-from protocol.envelope import Verified, seal_parts
-from protocol.messages_swarm import AuditRequest, PushSlice
+from protocol.envelope import Verified, seal_parts, verify
+from protocol.errors import RemoteProtocolError
+from protocol.evidence import proves
+from protocol.identity import peer_id_from_public_key
+from protocol.messages_swarm import AuditRequest, Evidence, PushSlice
 
 if TYPE_CHECKING:
     from peer.allreduce import Averager
@@ -47,6 +53,8 @@ log = logging.getLogger("peer.allreduce")
 
 _ANSWERED_MEMORY = 1024  # (group, member) pairs answered: each member is answered once per group
 _WAIT = 2.0  # x the round's deadline: how long an auditor waits for the inputs
+_MAX_CHECKED = 256  # pieces of evidence we check per sender (each may cost a recomputation)
+_MAX_REFUSED = 16  # and that prove nothing: past either, its evidence is dropped unread
 
 
 class _Open:
@@ -85,6 +93,9 @@ class Audits:
         self.refused: deque[bytes] = deque(maxlen=256)
         """Keys of reducers that did not show the inputs of a mean we audited; the node takes them."""
         self.counts: Counter[str] = Counter()  # verdicts so far
+        self._convicted: set[bytes] = set()  # keys we hold proof against (ours, or handed on)
+        self._checked: Counter[str] = Counter()  # peer ID -> evidence of theirs we checked
+        self._refused: Counter[str] = Counter()  # peer ID -> evidence of theirs that proved nothing
         self.distrust: Callable[[bytes], None] | None = None
         """Called with a convicted or refused reducer's key as soon as the verdict is in, so the
         matchmaking leaves it out from now (the node sets it; the ban itself comes at its next landing)."""
@@ -127,13 +138,77 @@ class Audits:
         if verdict == WRONG and reducer is not None:
             log.warning("audit: reducer signed a wrong mean part=%d reducer=%s group=%s: %s", j, pending.reducer,
                         g.group_id.hex(), why)
-            self.offences.append((reducer, why, tuple(mean_frames) + tuple(pending.frames)))
+            proof = tuple(mean_frames) + tuple(pending.frames)
+            self._convict(reducer, why, proof)
+            self._share(rnd, j, proof)
         elif verdict == UNPROVEN:
             log.warning("audit: reducer did not show the inputs of its mean part=%d reducer=%s group=%s: %s; "
                         "not grouping with it any more", j, pending.reducer, g.group_id.hex(), why)
             self.refused.append(bytes(g.members[j]))
         else:
             log.info("audit passed part=%d reducer=%s group=%s %s", j, pending.reducer, g.group_id.hex(), why)
+
+    def _convict(self, key: bytes, why: str, proof: tuple[bytes, ...]) -> None:
+        self._convicted.add(bytes(key))
+        self.offences.append((bytes(key), why, proof))
+        if self.distrust is not None:
+            self.distrust(bytes(key))
+
+    def _share(self, rnd: Round, j: int, proof: tuple[bytes, ...]) -> None:
+        """Hand the proof on to the group's other members: each checks it and bans the liar too,
+        without auditing it itself."""
+        av, g = self.averager, rnd.group
+        payload = msgpack.packb(list(proof), use_bin_type=True)
+        if len(payload) + 4096 > av.max_frame_bytes:
+            log.info("proof too large to hand on bytes=%d group=%s", len(payload), g.group_id.hex())
+            return
+        frame = [seal_parts(Evidence(run_id=g.run_id, payload=payload), av.identity)]
+        for i, peer_id in enumerate(rnd.peer_ids):
+            if i not in (rnd.me, j):
+                task = asyncio.create_task(self._send(peer_id, frame, _WAIT * g.deadline_s))
+                av._side_tasks.add(task)
+                task.add_done_callback(av._side_tasks.discard)
+
+    def hand_on(self, rnd: Round, offences) -> None:
+        """Proven lies seen in a round (``AllReduceOutcome.offences``): hand each proof on to the
+        group's other members, who may not have seen it (a bad push reaches one reducer only)."""
+        for key, _why, evidence in offences:
+            if key not in self._convicted:
+                self._convicted.add(bytes(key))
+                self._share(rnd, rnd.index.get(peer_id_from_public_key(key), rnd.me),
+                            (evidence,) if isinstance(evidence, bytes) else tuple(evidence))
+
+    def evidence(self, peer_id: str, msg: Evidence) -> None:
+        """Proof handed on by ``peer_id``: checked here (it vouches for nothing), at most
+        ``_MAX_CHECKED`` times per sender."""
+        if self._refused[peer_id] >= _MAX_REFUSED or self._checked[peer_id] >= _MAX_CHECKED:
+            return
+        self._checked[peer_id] += 1
+        try:
+            frames = msgpack.unpackb(msg.payload, raw=False, max_array_len=MAX_EVIDENCE_FRAMES,
+                                     max_bin_len=len(msg.payload))
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            frames = None
+        if not isinstance(frames, list) or not frames or not all(isinstance(f, bytes) for f in frames):
+            self._refused[peer_id] += 1
+            log.warning("evidence refused reason=unreadable peer=%s", peer_id)
+            return
+        try:  # whom it accuses (the signer of its first frame): no need to check proof we hold
+            accused = verify(frames[0], run_id=self.averager.run_id, max_size=len(frames[0])).signer
+        except RemoteProtocolError:
+            accused = b""
+        if accused in self._convicted or peer_id_from_public_key(accused or b"\0" * 32) in self.averager.banned:
+            return
+        proven = proves(frames, self.averager.run_id, self.clip)
+        if proven is None:
+            self._refused[peer_id] += 1
+            log.warning("evidence refused reason=proves_nothing peer=%s", peer_id)
+            return
+        key, why = proven
+        if key in self._convicted or key == self.averager.identity.public_key:
+            return
+        log.warning("evidence from peer=%s proves that peer=%s lied: %s", peer_id, peer_id_from_public_key(key), why)
+        self._convict(key, why, tuple(frames))
 
     def take(self, peer_id: str, v: Verified, data: bytes) -> bool:
         """A frame of an answer to one of our audits? (a push, forwarded or its own, sent to us

@@ -256,6 +256,17 @@ class AuditRequest(Message):
     part: Annotated[int, Int(0, MAX_GROUP_SIZE - 1)]
 
 
+@message(Tag.EVIDENCE)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Evidence(Message):
+    """Proof that a peer lied, handed on to the members of the group it lied to: ``payload``
+    is a msgpack list of the signed frames that prove it (``protocol.evidence.proves``). The
+    receiver checks the proof itself; the sender vouches for nothing."""
+
+    run_id: RunId
+    payload: Bulk
+
+
 # ---------------------------------------------------------------------------------------
 # State sync.
 

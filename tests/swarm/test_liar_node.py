@@ -87,8 +87,10 @@ def test_a_node_lying_several_ways_at_once_leaves_the_honest_ones_agreeing_finit
         tmp_path, demos, honest_run, lies):
     """Peer 3 tells ``lies`` every round (see ``COMBINATIONS``). The three honest peers see
     through each, stop grouping with it, and land one result in every group they share. Their
-    held-out loss stays finite and within 2% of the same three peers training without it (same
-    model, data and keys)."""
+    held-out loss stays finite and at most 2% above that of the same three peers training
+    without it (same model, data and keys). It may come out lower: with a fourth process on the
+    machine the peers' paces differ, and a peer that follows the others trains fewer steps per
+    round, so two runs differ by a percent or two either way (runs here: -2.7% to +0.1%)."""
     setup, base = honest_run
     demo, seen = run(tmp_path / "attacked", demos, 4, setup, envs={3: {"SWARMSTREAM_FAULT": lies}})
     with_liar = [ev for i, ev in seen if i in HONEST and ev.get("event") == "synced" and ev["group_size"] == 4]
@@ -103,18 +105,19 @@ def test_a_node_lying_several_ways_at_once_leaves_the_honest_ones_agreeing_finit
     assert all(math.isfinite(h) and h > 0 for h in attacked), attacked
     mean = sum(attacked) / 3
     print(f"held-out loss after {ROUNDS} rounds ({lies}): honest peers beside the liar {mean:.4f}, without it {base:.4f}")
-    assert abs(mean - base) <= 0.02 * base, (mean, base)
+    assert mean - base <= 0.02 * base, (mean, base)
 
 
 def test_a_reducer_whose_mean_does_not_follow_from_its_inputs_is_proven_and_banned_by_every_auditor(tmp_path, demos):
     """Peer 3 returns its reduced part negated to everyone, every round: a mean of plausible
     size, which no norm bound catches, so the honest peers land it alike. With ``sync.audit``
-    = 1 each honest peer fetches the inputs of every other reducer's mean and recomputes it:
-    honest means pass, and each honest peer proves the liar's wrong, bans it with the frames
-    that prove it saved in its data dir (``bans/<peer>.frames``), and stops grouping with it.
-    The honest peers land one result in every group they share, and their loss stays finite."""
+    = 0.5 each honest peer fetches the inputs of half the other reducers' means and recomputes
+    them: honest means pass; a peer that proves the liar's mean wrong bans it with the frames
+    that prove it saved in its data dir (``bans/<peer>.frames``), stops grouping with it, and
+    hands the proof on to the group's other members, who check it and do the same. The honest
+    peers land one result in every group they share, and their loss stays finite."""
     honest = HONEST
-    setup = _setup(tmp_path, audit=1.0)
+    setup = _setup(tmp_path, audit=0.5)
     demo, seen = run(tmp_path / "attacked", demos, 4, setup, envs={
         3: {"SWARMSTREAM_FAULT": "lie:negate"}, **{i: {"SWARMSTREAM_LOG": "INFO"} for i in honest}}, rounds=6)
     logs = [(tmp_path / "attacked" / f"peer{i}.log").read_text() for i in honest]

@@ -6,21 +6,23 @@ reducer by showing other inputs than the ones it committed to."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
+import msgpack
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from peer.allreduce import Group
 from peer.allreduce_round import Round
-from peer.audit import inputs_frames
+from peer.audit import Audits, inputs_frames
 from peer.bans import Bans
 from protocol.audit import OK, UNPROVEN, WRONG, check, wrong_mean
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 from protocol.evidence import proves
 from protocol.identity import Identity, peer_id_from_public_key
-from protocol.messages_swarm import PushSlice, SliceAveraged
+from protocol.messages_swarm import Evidence, PushSlice, SliceAveraged
 
 RUN = b"\x07" * 20
 KEYS = [Identity.from_seed(bytes([0x40 + i]) * 32) for i in range(5)]
@@ -143,3 +145,27 @@ def test_a_reducer_that_shows_a_heavier_own_weight_than_it_signed_is_proven():
         heavier.append(f)
     # the weight is part of the commitment: a reducer that shows another one did not show its inputs
     assert check(means, heavier, RUN, 2.0)[0] == UNPROVEN
+
+
+def test_proof_handed_on_by_another_member_is_checked_here_and_convicts_only_when_it_proves():
+    means, shown, _ = reduce_and_audit(_vectors(3, 3 * 500, seed=11), "fp4", (1.0, 1.0, 1.0), 2.0, 256, _negate)
+    honest_means, honest_shown, _ = reduce_and_audit(_vectors(3, 3 * 500, seed=11), "fp4", (1.0, 1.0, 1.0), 2.0, 256)
+    distrusted: list[bytes] = []
+    audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[4], banned=set()), rate=0.0, clip=2.0)
+    audits.distrust = distrusted.append
+
+    def hand_on(sender: str, frames: list[bytes] | bytes) -> None:
+        payload = frames if isinstance(frames, bytes) else msgpack.packb(frames, use_bin_type=True)
+        audits.evidence(sender, Evidence(run_id=RUN, payload=payload))
+
+    hand_on("a", honest_means + honest_shown)  # an honest mean: proves nothing
+    hand_on("a", b"\x93not frames")
+    hand_on("a", means + shown[:-1])  # incomplete
+    assert not audits.offences and not distrusted
+    hand_on("b", means + shown)
+    assert [key for key, _, _ in audits.offences] == distrusted == [KEYS[0].public_key]
+    hand_on("c", means + shown)  # the same liar again: already convicted
+    assert len(audits.offences) == 1
+    for _ in range(20):  # a sender whose evidence proves nothing gets a bounded number of checks
+        hand_on("d", [b"not a frame", b"nor this"])
+    assert audits._refused["d"] == audits._checked["d"] == 16
