@@ -67,6 +67,16 @@ the subkey is the signer, numel, codec and deadline against ours, that a group's
 first member and its ID is the hash of its members, and a join time not in the future beyond
 ``CLOCK_SKEW_S``. A record that fails is ignored and logged (``reason=... peer=...``).
 
+Closing early: the batch window is a floor under every sync (``gap + settle``, 2.5 s at the
+demo's T = 5 s), which a round shorter than that cannot hide however early it joins. So a
+node tells its matchmaker which other peers it expects in a round (``expected``: every live
+peer, by its heartbeat), and once all of them are in its batch it closes the batch at once. Peers in step see the same complete set of joins, so they close
+on the same batch, a little apart; a peer that joins and was expected by nobody (a newcomer
+whose heartbeat is not read yet) may find the batch closed by some and not by others: it
+follows the group that names it (leaders with the fuller view write it), or averages alone
+this round, as after any difference in views. A peer that does not come (paused, behind, a
+follower waiting for the others) leaves the window as it was.
+
 Tuning: raise ``matchmaking_timeout_s`` if peers that are ready at about the same time end up
 in separate batches (gap and span are fractions of it); on a slow DHT, raise it as well, since
 the settle time is a fraction of it too. ``span + settle`` stays below ``T``, so the first
@@ -191,6 +201,11 @@ class Matchmaker:
         self.join_ttl_s = JOIN_TTL_FACTOR * t
         self._alone: dict[int, dict[int, float]] = {}  # fragment -> {round we averaged alone: our join time}
         self._waited: dict[int, dict[int, float]] = {}  # fragment -> {round: how long we waited to join it}
+        self.expected: Callable[[int, int], set[bytes]] | None = None
+        """(fragment, round) -> the keys of the other peers we expect to join that round (the
+        node's live peers). Once all of them are in our batch, the
+        batch closes at once instead of ``gap`` after its last join: everyone we know of is
+        in, and waiting only delays the group (see the module docstring)."""
         self.distrusted: set[bytes] = set()
         """Keys we do not group with, nor follow as leaders: banned for a proven lie, or whose
         reduced part we refused (``peer.node`` fills it). A leader that does not know drops
@@ -363,6 +378,10 @@ class Matchmaker:
             batch, close = batch_of({k: j.joined_at for k, j in joins.items()}, me, self.gap_s, self.span_s)
             wake = min(close + self.settle_s, deadline)
             if now() >= wake:
+                break
+            expected = self.expected(fragment, round) - self.distrusted - {me} if self.expected else set()
+            if expected and expected <= set(batch):
+                wake = now()  # everyone we expect is in our batch: nothing left to wait for
                 break
             await asyncio.sleep(min(self.poll_s, wake - now()))
 

@@ -151,6 +151,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             self.net.call(self.averager.start(), timeout=30)
             self.matchmaker = Matchmaker(self.net.dht, self.identity, self.run_id, swarm,
                                          max_weight=train.max_sync_tokens())
+            self.matchmaker.expected = self._expected_joiners
             self.state_server = StateServer(self.net.p2p, self.identity, self.run_id,
                                             chunk_bytes=swarm.state_chunk_bytes)
             self.net.call(self.state_server.start(), timeout=30)

@@ -66,6 +66,12 @@ class PeersMixin:
                               for k, hb in live.items() if not hb.reachable}
         self._peers = live
 
+    def _expected_joiners(self, fragment: int, round_: int) -> set[bytes]:
+        """The other peers we expect to join ``round_`` of ``fragment`` (``Matchmaker.expected``):
+        every live one, by its heartbeat (one that is paused, behind or downloading will not
+        come, and then the batch window runs as before: every peer that knows it waits alike)."""
+        return set(self._peers)
+
     async def _reconnect_relayed(self, peer_id: str) -> bool:
         """The averager could not open a stream to ``peer_id``: if it is behind a NAT, connect
         to it through its relays. Only on such a failure: dialing circuits on every heartbeat

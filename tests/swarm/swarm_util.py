@@ -92,12 +92,11 @@ def start_process(procs: list, target, *args):
     return q
 
 
-def shared_landings(events, peers: tuple[int, ...]) -> dict[tuple[int, int, str], set[str]]:
-    """For every group landing that all of ``peers`` were in, entering it with the same copy of
-    the fragment (the digest each landed last, or the common initial model): the digests they
-    landed. Honest members of one group who held one copy must land one result."""
+def landings(events, peers: tuple[int, ...]):
+    """(peer, the fragment's digest it held before, the ``synced`` event) for every landing of
+    ``peers``, in order. The digest held is None before a peer's first landing (the common
+    initial model), and "?" after a state download."""
     held: dict[tuple[int, int], str | None] = {}
-    landed: dict[tuple[int, int, str], dict[int, tuple[str | None, str]]] = {}
     for i, ev in events:
         if i not in peers:
             continue
@@ -106,9 +105,18 @@ def shared_landings(events, peers: tuple[int, ...]) -> dict[tuple[int, int, str]
                 held[(i, f)] = "?"
         elif ev.get("event") == "synced":
             key = (i, ev["fragment"])
-            if not ev["alone"]:
-                landed.setdefault((ev["fragment"], ev["round"], ev["group"]), {})[i] = (held.get(key), ev["digest"])
+            yield i, held.get(key), ev
             held[key] = ev["digest"]
+
+
+def shared_landings(events, peers: tuple[int, ...]) -> dict[tuple[int, int, str], set[str]]:
+    """For every group landing that all of ``peers`` were in, entering it with the same copy of
+    the fragment (the digest each landed last, or the common initial model): the digests they
+    landed. Honest members of one group who held one copy must land one result."""
+    landed: dict[tuple[int, int, str], dict[int, tuple[str | None, str]]] = {}
+    for i, before, ev in landings(events, peers):
+        if not ev["alone"]:
+            landed.setdefault((ev["fragment"], ev["round"], ev["group"]), {})[i] = (before, ev["digest"])
     return {k: {d for _, d in by_peer.values()} for k, by_peer in landed.items()
             if len(by_peer) == len(peers) and len({b for b, _ in by_peer.values()}) == 1
             and "?" not in {b for b, _ in by_peer.values()}}

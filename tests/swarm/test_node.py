@@ -10,7 +10,7 @@ import torch
 
 from peer.demo import Demo
 import swarm_peers
-from swarm_util import Events, start_process
+from swarm_util import Events, landings, start_process
 from peer.identity_store import load_or_create_identity
 from peer.network import Network, NetworkConfig
 from peer.presence import Presence
@@ -66,17 +66,9 @@ def last_landings_shared(events, peers: tuple[int, ...]) -> bool:
     """Whether ``peers`` landed the last round of every fragment in one group, from one copy:
     then their final global copies must be identical. (A run that ends right after a round in
     which they split, or averaged alone, ends before the repair that would follow.)"""
-    held: dict[tuple[int, int], str | None] = {}
     last: dict[tuple[int, int], tuple[str | None, dict]] = {}
-    for i, ev in events:
-        if i not in peers:
-            continue
-        if ev.get("event") == "state_synced":
-            for f in range(len(ev["rounds"])):
-                held[(i, f)] = "?"
-        elif ev.get("event") == "synced":
-            last[(i, ev["fragment"])] = (held.get((i, ev["fragment"])), ev)
-            held[(i, ev["fragment"])] = ev["digest"]
+    for i, before, ev in landings(events, peers):
+        last[(i, ev["fragment"])] = (before, ev)
     for f in {f for _, f in last}:
         mine = [last.get((i, f)) for i in peers]
         if any(m is None or m[1]["alone"] or m[0] == "?" for m in mine):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from peer.matchmaking import Matchmaker, joins_key
+from peer.matchmaking import Matchmaker, assign_groups, joins_key, round_seed
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.manifest import SwarmConfig
@@ -116,3 +116,43 @@ def test_a_peer_rounds_behind_is_not_waited_for_it_downloads_instead():
     mm._alone[0] = {4: 100.0, 5: 104.0}
     join(dht, mm, OTHER, 4, 109.0)
     assert delay(mm, 6, now=108.0) == 0.0
+
+
+def _leader_and_other(round_: int) -> tuple[Identity, Identity]:
+    first = assign_groups(round_seed(RUN_ID, 0, round_), [ME.public_key, OTHER.public_key], 8)[0][0]
+    return (ME, OTHER) if first == ME.public_key else (OTHER, ME)
+
+
+class CountingDHT(MemoryDHT):
+    def __init__(self):
+        super().__init__()
+        self.join_reads = 0
+
+    async def get(self, key, latest=True):
+        self.join_reads += key.endswith("/joins")
+        return await super().get(key, latest)
+
+
+@pytest.mark.parametrize("expect_other", [True, False])
+def test_a_batch_closes_as_soon_as_every_expected_peer_is_in_it(expect_other):
+    """The batch window (gap + settle after the last join) is a floor under every sync. Once
+    every peer the node expects has joined, the batch closes at once: one read of the joins,
+    and the group is formed. Expecting nobody (or a peer that has not joined), the window runs
+    as before: the joins are read again until it closes."""
+    dht = CountingDHT()
+    leader, other = _leader_and_other(7)
+    mm = Matchmaker(dht, leader, RUN_ID, SwarmConfig(matchmaking_timeout_s=T), poll_s=0.01)
+    clock = [1000.0]
+
+    def now() -> float:
+        clock[0] += 0.01  # the DHT clock moves a little at every look, as it does
+        return clock[0]
+
+    join(dht, mm, other, 7, 1000.0)
+    mm.expected = (lambda f, r: {other.public_key}) if expect_other else (lambda f, r: {Identity.generate().public_key})
+    group = asyncio.run(mm.form_group(0, 7, 1.0, NUMEL, "fp32", now=now))
+    assert group is not None and set(group.members) == {leader.public_key, other.public_key}
+    if expect_other:
+        assert dht.join_reads == 1
+    else:
+        assert dht.join_reads > 10  # polled until gap + settle after the last join
