@@ -18,10 +18,10 @@ D = 4.0  # the run's all-reduce deadline: reduced parts are due 1.5 D after a ro
 def test_a_member_starved_of_cpu_times_out_on_the_others_parts_and_still_lands_what_they_land(tmp_path, demos):
     """Three honest peers with two busy loops beside them on this machine's cores. In fragment
     0's round 2, peer 1's network thread stops for 1.7 D right after it reduced its part
-    (``SWARMSTREAM_FAULT=stall:...``): its part reaches the others after their deadline, and it
-    reads theirs after its own, so each side drops the other's reducers. The reports repair
-    both sides within the round: every group the three landed together from one copy has one
-    result."""
+    (``SWARMSTREAM_FAULT=stall:...``): it reads the others' parts after its deadline and drops
+    their reducers (and its own part may reach them after theirs), while they hold every part.
+    The reports repair it within the round: every group the three landed together from one
+    copy has one result."""
     manifest = tmp_path / "run.swarmrun"
     manifest.write_bytes(demo_manifest(3, tmp_path / "peer0.key", swarm={"allreduce_timeout_s": D}))
     events = Events()
@@ -41,7 +41,6 @@ def test_a_member_starved_of_cpu_times_out_on_the_others_parts_and_still_lands_w
     seen = events.drain()
     logs = [(tmp_path / f"peer{i}.log").read_text() for i in range(3)]
     assert "timeout:reduced part" in logs[1], "the starved peer never timed out on a reduced part"
-    assert "timeout:reduced part" in logs[0] + logs[2], "nobody timed out on the starved peer's part"
     assert any("forwarding reduced part" in text for text in logs), "no part was forwarded in the agreement"
     shared = shared_landings(seen, (0, 1, 2))
     assert shared, "the three peers never landed a group together from one copy"
