@@ -70,8 +70,9 @@ first member and its ID is the hash of its members, and a join time not in the f
 Closing early: the batch window is a floor under every sync (``gap + settle``, 2.5 s at the
 demo's T = 5 s), which a round shorter than that cannot hide however early it joins. So a
 node tells its matchmaker which other peers it expects in a round (``expected``: every live
-peer, by its heartbeat), and once all of them are in its batch it closes the batch at once. Peers in step see the same complete set of joins, so they close
-on the same batch, a little apart; a peer that joins and was expected by nobody (a newcomer
+peer, by its heartbeat), and once all of them are in its batch it closes the batch at once.
+Peers in step see the same complete set of joins, so they close on the same batch, a little
+apart; a peer that joins and was expected by nobody (a newcomer
 whose heartbeat is not read yet) may find the batch closed by some and not by others: it
 follows the group that names it (leaders with the fuller view write it), or averages alone
 this round, as after any difference in views. A peer that does not come (paused, behind, a
