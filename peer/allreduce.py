@@ -452,7 +452,7 @@ class Averager:
 
             if rnd.size(me):
                 mean, contrib, total = rnd.reduce()
-                inputs = rnd.commit(contrib, chunk_elements(self.max_frame_bytes))
+                inputs = rnd.commit(contrib, _chunks(*rnd.bounds[me], chunk_elements(self.max_frame_bytes)))
                 encoded = self._encode(rnd, me, mean)
                 frames = self._frames(rnd, me, encoded, total, contrib, inputs)
                 rnd.reduced(contrib, encoded, frames)

@@ -502,13 +502,12 @@ class Round:
         self.pushes.clear()  # the payloads are no longer needed
         return acc, contrib, total_w
 
-    def commit(self, contrib: tuple[int, ...], step: int) -> bytes:
-        """Our commitment to the inputs of our mean (``protocol.audit.inputs_digest``); the
-        inputs are kept to show a member that audits it."""
-        me, (s, e) = self.me, self.bounds[self.me]
-        own = self.vector[s:e]
-        self.own_chunks = [(a, min(a + step, e) - a, FP32.encode(own[a - s:min(a + step, e) - s]))
-                           for a in range(s, e, step)]
+    def commit(self, contrib: tuple[int, ...], chunks: list[tuple[int, int]]) -> bytes:
+        """Our commitment to the inputs of our mean (``protocol.audit.inputs_digest``), our own
+        slice cut at ``chunks`` ([start, end) of each frame); the inputs are kept to show a
+        member that audits it."""
+        me = self.me
+        self.own_chunks = [(a, b - a, FP32.encode(self.vector[a:b])) for a, b in chunks]
         self.push_frames = {i: f for i, f in self.push_frames.items() if i in contrib}
         shares = []
         for i in contrib:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from peer.bans import MAX_EVIDENCE_FRAMES
-from protocol.audit import OK, OWN_CODEC, UNPROVEN, WRONG, check
+from protocol.audit import OWN_CODEC, UNPROVEN, WRONG, check
 from protocol.envelope import Verified, seal_parts, verify
 from protocol.errors import RemoteProtocolError
 from protocol.evidence import proves
@@ -133,7 +133,7 @@ class Audits:
             del self._open[key]
         verdict, reducer, why = check(mean_frames, pending.frames, g.run_id, self.clip)
         self.counts[verdict] += 1
-        if verdict != OK and self.distrust is not None:
+        if verdict == UNPROVEN and self.distrust is not None:  # (a conviction distrusts it below)
             self.distrust(bytes(g.members[j]))
         if verdict == WRONG and reducer is not None:
             log.warning("audit: reducer signed a wrong mean part=%d reducer=%s group=%s: %s", j, pending.reducer,

@@ -56,7 +56,8 @@ def reduce_and_audit(vectors: list[torch.Tensor], codec: str, weights: tuple[flo
         for f in _push(g, i, 0, vectors[i], step):
             rnd.accept(peer_id_from_public_key(KEYS[i].public_key), verify(f), len(f), f)
     mean, contrib, total = rnd.reduce()
-    inputs = rnd.commit(contrib, step)
+    s0, e0 = rnd.bounds[0]
+    inputs = rnd.commit(contrib, [(a, min(a + step, e0)) for a in range(s0, e0, step)])
     if lie is not None:
         mean = lie(mean, vectors)
     s, e = rnd.bounds[0]
