@@ -43,8 +43,9 @@ Agreement (``peer.allreduce_round``). Then every member tells the others which p
 (``PartsHeld``, a digest per part) and forwards the reducer's signed ``SliceAveraged`` frames
 of a part it holds to a member that reports lacking it; a member takes a forwarded part once
 one forwarder has sent all of it, checked as if its reducer had sent it. Each waits until
-every member that took part has reported and it holds every part someone holds, or ``2.5 *
-D``. So a member that timed out on a part, or whose slice a reducer dropped as late (a
+every member it can reach and did not drop for a lie has reported (also one that sent
+nothing in time: starved of CPU, it may still hold its own part) and it holds every part
+someone holds, or ``2.5 * D``. So a member that timed out on a part, or whose slice a reducer dropped as late (a
 reducer sends its mean to its contributors, and members it banned, only), still ends the round with the part the
 others hold: members that timed out on each other no longer land different averages. A
 member keeps the parts of its last few finished rounds to answer a report that comes after it
@@ -152,7 +153,7 @@ class AllReduceOutcome:
     """Parts we lacked when we reported and got after it, resent by their reducer or forwarded
     by another member (signed by the reducer), so we hold what the others hold."""
     agreed: bool = True
-    """Every member that took part reported, nobody holds a part we lack, and no two members
+    """Every member we waited for reported, nobody holds a part we lack, and no two members
     hold different means of one part: as far as this member can see, the group's members
     finish the round with the same average (a part proven equivocated falls back on every
     member that holds the proof). False: compare states after the round."""
@@ -412,7 +413,7 @@ class Averager:
     async def allreduce(self, group: Group, vector: torch.Tensor, weight: float) -> AllReduceOutcome:
         """Average ``vector`` (numel,) with the group's other members; see the module docstring.
         Never waits more than ``2.5 * group.deadline_s`` (plus the local encode/decode), and
-        that long only when a member that took part never reports."""
+        that long only when a member that is not known dead never reports."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         started = time.perf_counter()
@@ -513,7 +514,7 @@ class Averager:
 
     async def _agree(self, rnd: Round) -> None:
         """Tell every member which parts we hold, forward the ones they lack, and wait for what
-        they hold and we lack, until every member that took part has reported (see
+        they hold and we lack, until every member we wait for has reported (see
         ``peer.allreduce_round``) or the agreement's deadline."""
         g = rnd.group
         rnd.agreeing = True

@@ -163,15 +163,17 @@ class Round:
                      for j in range(self.n))
 
     def took_part(self) -> list[int]:
-        """The other members we know are in this round: they pushed to us, sent us a part, or a
-        reducer counted them. A member dead before it sent a thing is none of these: we do not
-        wait for its report."""
-        counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
+        """The other members whose report we wait for: every one but those our report could
+        not reach and those we dropped for a lie. A member that sent us nothing in time may be
+        alive and late (starved of CPU until after our deadlines) and hold a part nobody else
+        holds, its own: landing without it would leave us and it with different averages. One
+        that is dead is waited for only until our report fails to reach it (at once on a
+        refused connection), and at most until the agreement's deadline."""
         return [i for i in range(self.n) if i != self.me and i not in self.gone
-                and (self.pushed[i] or self.got[i] or i in counted or i in self.reports)]
+                and (i not in self.dropped or self.dropped[i].startswith(LATE) or i in self.reports)]
 
     def agreed(self) -> bool:
-        """Every member that took part has reported, we hold every part that any of them
+        """Every member we wait for (``took_part``) has reported, we hold every part that any of them
         holds (the ones we lacked were forwarded to us), and every part reported with two
         different digests is proven to have been equivocated on."""
         if any(i not in self.reports for i in self.took_part()):

@@ -16,21 +16,25 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
 
 The member lied to or withheld from is the one after it in the group's order.
 
-And a slow member, for the same tests: ``SWARMSTREAM_FAULT=stall:F:R:SECONDS`` blocks this node's
-network thread for SECONDS once, in fragment F's round R (or the first later one it averages in
-a group), right after it reduced its part and before its sends of it go out: what a member
-starved of CPU does to its group (its part reaches the others after their deadline, it reads
-theirs after its own, and it answers nobody meanwhile).
+And a slow member, for the same tests: ``SWARMSTREAM_FAULT=stall:F:R:AT`` blocks this node's network
+thread once, in fragment F's round R (or the first later one it averages in a group), from right
+after it reduced its part (before its sends of it go out) until AT x the all-reduce deadline
+after it entered the round: what a member starved of CPU does to its group (its part reaches
+the others after their deadline, it reads theirs after its own, and it answers nobody
+meanwhile). The stall ends at a fixed point of the round's deadlines, not after a fixed time
+from a moment that the machine's load moves, so a test knows how long the agreement has left.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import Any
 
 import torch
 
+from peer.allreduce import AGREE_GRACE, RESULT_GRACE
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 
@@ -97,26 +101,33 @@ def _scaled(averager: Any, frame: bytes, factor: float) -> bytes:
 
 
 def parse_stall(fault: str) -> tuple[int, int, float] | None:
-    """(fragment, round, seconds) of a ``stall:F:R:SECONDS`` fault, else None."""
+    """(fragment, round, at) of a ``stall:F:R:AT`` fault, else None."""
     kind, _, what = fault.partition(":")
     if kind != "stall":
         return None
     try:
-        f, r, seconds = what.split(":")
-        return int(f), int(r), float(seconds)
+        f, r, at = what.split(":")
+        out = int(f), int(r), float(at)
     except ValueError:
-        raise ValueError(f"SWARMSTREAM_FAULT stall:{what}: expected stall:FRAGMENT:ROUND:SECONDS") from None
+        raise ValueError(f"SWARMSTREAM_FAULT stall:{what}: expected stall:FRAGMENT:ROUND:AT") from None
+    if not 0 < out[2] < 1 + RESULT_GRACE + AGREE_GRACE:
+        raise ValueError(f"SWARMSTREAM_FAULT stall:{what}: AT is a multiple of the all-reduce deadline, "
+                         f"above 0 and below {1 + RESULT_GRACE + AGREE_GRACE:g} (the agreement's end)")
+    return out
 
 
-def make_staller(averager: Any, fragment: int, round_: int, seconds: float) -> None:
-    """Wrap ``averager`` so that it blocks its event loop for ``seconds`` once (see the docstring)."""
+def make_staller(averager: Any, fragment: int, round_: int, at: float) -> None:
+    """Wrap ``averager`` so that it blocks its event loop once, until ``at`` x the deadline
+    after the round started (see the docstring)."""
     wait_means, done = averager._wait_means, []
 
     async def stalling_wait_means(rnd, deadline):
         g = rnd.group
         if not done and g.fragment == fragment and g.round >= round_ and rnd.n > 1:
             done.append(g.round)
-            time.sleep(seconds)  # blocks the whole network thread, as a starved CPU would
+            started = rnd.agree_deadline - (1 + RESULT_GRACE + AGREE_GRACE) * g.deadline_s
+            # blocks the whole network thread, as a starved CPU would
+            time.sleep(max(0.0, started + at * g.deadline_s - asyncio.get_running_loop().time()))
         return await wait_means(rnd, deadline)
 
     averager._wait_means = stalling_wait_means

@@ -12,14 +12,15 @@ from swarm_util import Events, shared_landings
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
-D = 4.0  # the run's all-reduce deadline: reduced parts are due 1.5 D after a round starts
+D = 5.0  # the run's all-reduce deadline: reduced parts are due 1.5 D after a round starts, reports by 2.5 D
+STALL_UNTIL = 1.6  # x D: past the reduced parts' deadline, with 0.9 D (4.5 s) left for the agreement
 
 
-def test_a_member_starved_of_cpu_times_out_on_the_others_parts_and_still_lands_what_they_land(tmp_path, demos):
+def test_a_member_starved_of_cpu_past_the_deadlines_still_lands_what_the_others_land(tmp_path, demos):
     """Three honest peers with two busy loops beside them on this machine's cores. In fragment
-    0's round 2, peer 1's network thread stops for 1.7 D right after it reduced its part
-    (``SWARMSTREAM_FAULT=stall:...``): it reads the others' parts after its deadline and drops
-    their reducers (and its own part may reach them after theirs), while they hold every part.
+    0's round 2, peer 1's network thread stops from right after it reduced its part until 1.6 D
+    into the round (``SWARMSTREAM_FAULT=stall:...``): its part reaches the others after their
+    deadline, and it reads their parts after its own unless they came before its stall.
     The reports repair it within the round: every group the three landed together from one
     copy has one result."""
     manifest = tmp_path / "run.swarmrun"
@@ -27,7 +28,7 @@ def test_a_member_starved_of_cpu_times_out_on_the_others_parts_and_still_lands_w
     events = Events()
     log = {"SWARMSTREAM_LOG": "INFO"}
     demo = Demo(3, rounds=8, workdir=tmp_path, on_event=events, manifest=manifest.read_bytes(),
-                envs={0: log, 1: {**log, "SWARMSTREAM_FAULT": f"stall:0:2:{1.7 * D}"}, 2: log})
+                envs={0: log, 1: {**log, "SWARMSTREAM_FAULT": f"stall:0:2:{STALL_UNTIL}"}, 2: log})
     demos.append(demo)
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
@@ -40,7 +41,8 @@ def test_a_member_starved_of_cpu_times_out_on_the_others_parts_and_still_lands_w
     assert summary["errors"] == [] and summary["finished"] == 3, summary
     seen = events.drain()
     logs = [(tmp_path / f"peer{i}.log").read_text() for i in range(3)]
-    assert "timeout:reduced part" in logs[1], "the starved peer never timed out on a reduced part"
+    # which side times out depends on whether the others' parts reached peer 1 before its stall
+    assert any("timeout:reduced part" in text for text in logs), "nobody timed out on a reduced part"
     assert any("forwarding reduced part" in text for text in logs), "no part was forwarded in the agreement"
     shared = shared_landings(seen, (0, 1, 2))
     assert shared, "the three peers never landed a group together from one copy"
