@@ -43,9 +43,9 @@ Agreement (``peer.allreduce_round``). Then every member tells the others which p
 (``PartsHeld``, a digest per part) and forwards the reducer's signed ``SliceAveraged`` frames
 of a part it holds to a member that reports lacking it; a member takes a forwarded part once
 one forwarder has sent all of it, checked as if its reducer had sent it. Each waits until
-every member it can reach and did not drop for a lie has reported (also one that sent
-nothing in time: starved of CPU, it may still hold its own part) and it holds every part
-someone holds, or ``2.5 * D``. So a member that timed out on a part, or whose slice a reducer dropped as late (a
+every member it waits for has reported (``Round.took_part``: also one that sent nothing in
+time and does not acknowledge our report, since starved of CPU it may still hold its own part)
+and it holds every part someone holds, or ``2.5 * D``. So a member that timed out on a part, or whose slice a reducer dropped as late (a
 reducer sends its mean to its contributors, and members it banned, only), still ends the round with the part the
 others hold: members that timed out on each other no longer land different averages. A
 member keeps the parts of its last few finished rounds to answer a report that comes after it
@@ -92,7 +92,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P
 
-from peer.allreduce_round import Round
+from peer.allreduce_round import SILENT_GRACE, Round
 from peer.audit import Audits
 from peer.inbox import HEADER_LEN, FrameTooLarge, PendingFrames, StreamEnded, StreamGate, TooManyStreams, \
     peek_group, read_body, read_header
@@ -582,10 +582,13 @@ class Averager:
 
     async def _report(self, rnd: Round, i: int, frames: list[list[Any]]) -> None:
         """Send our report to member i; one we cannot reach is not waited for."""
+        loop = asyncio.get_running_loop()
         try:
-            left = rnd.agree_deadline - asyncio.get_running_loop().time()
+            left = rnd.agree_deadline - loop.time()
             nbytes = await asyncio.wait_for(self._send_frames(rnd.peer_ids[i], frames), max(left, 0.001))
             rnd.sent[0] += nbytes
+            rnd.answered[i] = loop.time()  # if it sent us nothing, we wait for its report a little longer only
+            loop.call_later(SILENT_GRACE * rnd.group.deadline_s + 0.01, rnd.changed.set)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001  (as in _deliver: failing to reach a peer is its problem)

@@ -53,6 +53,10 @@ LATE = ("timeout", "short")
 ended with its slice or part short. A late member may still send its part, and it may have
 landed parts nobody else holds, so the agreement waits for its report."""
 
+SILENT_GRACE = 0.25
+"""Of the deadline: a member that sent us nothing in the round and acknowledged our report this
+long ago is not averaging this group (it never joined it); we stop waiting for its report."""
+
 log = logging.getLogger("peer.allreduce")
 
 FP32 = get_codec("fp32")
@@ -123,6 +127,7 @@ class Round:
         self.disputed: set[int] = set()
         self.forwarded: set[tuple[int, int]] = set()  # (member, part) we sent
         self.gone: set[int] = set()  # members our report could not reach: not waited for
+        self.answered: dict[int, float] = {}  # member -> when it acknowledged our report (event-loop time)
         self.collecting_pushes = True
         self.collecting_means = True
         self.agreeing = False
@@ -163,14 +168,26 @@ class Round:
                      for j in range(self.n))
 
     def took_part(self) -> list[int]:
-        """The other members whose report we wait for: every one but those our report could
-        not reach and those we dropped for a lie. A member that sent us nothing in time may be
-        alive and late (starved of CPU until after our deadlines) and hold a part nobody else
-        holds, its own: landing without it would leave us and it with different averages. One
-        that is dead is waited for only until our report fails to reach it (at once on a
-        refused connection), and at most until the agreement's deadline."""
-        return [i for i in range(self.n) if i != self.me and i not in self.gone
-                and (i not in self.dropped or self.dropped[i].startswith(LATE) or i in self.reports)]
+        """The other members whose report we wait for. Those we heard from in this round (they
+        pushed to us, sent us a part, a reducer counted them, or they reported). And those that
+        sent us nothing, except when our report could not reach them, we dropped them for a
+        lie, or they acknowledged our report ``SILENT_GRACE`` x the deadline ago and still
+        said nothing (alive, and not averaging this group: they never joined it). A member
+        starved of CPU until after our deadlines acknowledges nothing meanwhile, and may still
+        hold its own part, which nobody else holds: landing without its report would leave us
+        and it with different averages."""
+        counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
+        quiet_since = time.monotonic() - SILENT_GRACE * self.group.deadline_s  # the event loop's clock
+        out = []
+        for i in range(self.n):
+            if i == self.me or i in self.gone:
+                continue
+            heard = self.pushed[i] or self.got[i] or i in counted or i in self.reports
+            if not heard and ((i in self.dropped and not self.dropped[i].startswith(LATE))
+                              or self.answered.get(i, math.inf) <= quiet_since):
+                continue
+            out.append(i)
+        return out
 
     def agreed(self) -> bool:
         """Every member we wait for (``took_part``) has reported, we hold every part that any of them
