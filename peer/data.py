@@ -1,74 +1,51 @@
-"""Training text: documents from a source, a fixed held-out split, per-worker sample streams.
+"""Training text: a run's documents (``peer.sources``), a fixed held-out split, per-worker
+shards and sample streams.
 
 Tokens are raw bytes (vocab 256) unless the run names a Hugging Face ``tokenizers`` JSON
-file. The held-out split is chosen per *document* by a hash of (seed, relative path), so it
-is the same on every peer that has the same files, and no worker ever trains on it.
+file. The held-out split is chosen per *document* by a hash of (seed, name), so it is the same
+on every peer that has the same data, and no worker ever trains on it; it keeps the first
+``HELDOUT_MAX_BYTES`` of held-out text in corpus order (the evaluation reads only its start).
 
-Each worker draws training windows in its own order, seeded by a hash of (seed, worker
-identity): workers see different samples of the same train split without coordinating,
-which is what a volunteer swarm of unknown size needs. (A disjoint partition would require
-knowing the other workers; with random windows over tens of MB the overlap is negligible.)
+A worker trains on its shard of the other documents (``DataConfig.shards``; 1: all of them),
+at most ``DataConfig.max_shard_bytes`` of text, and draws training windows from it in its own
+order, seeded by a hash of (seed, worker identity): workers see different samples without
+coordinating, which is what a volunteer swarm of unknown size needs.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import logging
-import os
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from peer.sources import (  # noqa: F401  (list_documents, stdlib_root: this module's API before peer.sources)
+    DataError, Source, doc_shard, file_sha256, is_heldout, list_documents, shard_of, stdlib_root,
+)
 from protocol.config import DataConfig
 
 log = logging.getLogger(__name__)
 
 _DOC_SEPARATOR = b"\n\n"
-
-
-class DataError(Exception):
-    """The data source cannot be used; the message says what to change."""
-
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def list_documents(source: str) -> list[tuple[str, Path]]:
-    """(name, path) of every document of ``source``, sorted by name: the corpus order."""
-    if source == "stdlib":
-        root = stdlib_root()
-        paths = [p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts]
-    else:
-        src = Path(os.path.expanduser(source))
-        if src.is_file():
-            root, paths = src.parent, [src]
-        elif src.is_dir():
-            root, paths = src, [p for p in src.rglob("*") if p.is_file()]
-        else:
-            root = Path(".")
-            paths = [Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if os.path.isfile(p)]
-    docs = sorted((p.relative_to(root).as_posix() if p.is_relative_to(root) else p.as_posix(), p) for p in paths)
-    if not docs:
-        raise DataError(f"data source {source!r} has no files; give a file, a folder, a glob, or 'stdlib'")
-    return docs
-
-
-def is_heldout(name: str, seed: int, fraction: float) -> bool:
-    h = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") / 2**64 < fraction
+HELDOUT_MAX_BYTES = 8 << 20
+"""Held-out text kept, in corpus order: far more than the evaluation's batches read."""
 
 
 class Tokenizer:
     """Bytes -> token ids. Raw bytes by default; a ``tokenizers`` JSON file if given."""
 
-    def __init__(self, path: str | None = None):
+    def __init__(self, path: str | None = None, sha256: str = ""):
         self._tok = None
         self.vocab_size = 256
         if path is not None:
+            try:
+                found = file_sha256(path)
+            except OSError as e:
+                raise DataError(f"cannot read tokenizer {path!r}: {e.strerror or e}") from None
+            if sha256 and found != sha256:
+                raise DataError(f"tokenizer {path!r} here is not the run's (sha256 {found[:12]}..., the run's "
+                                f"{sha256[:12]}...); get the run's tokenizer file, then start again")
             try:
                 from tokenizers import Tokenizer as HFTokenizer
             except ImportError:
@@ -95,31 +72,41 @@ class Corpus:
     n_heldout_docs: int
 
 
-def load_corpus(cfg: DataConfig, vocab_size: int = 256) -> Corpus:
-    """Read every document of ``cfg.source`` and split it into train and held-out streams."""
-    tok = Tokenizer(cfg.tokenizer)
+def load_corpus(cfg: DataConfig, vocab_size: int = 256, worker: str | bytes | None = None) -> Corpus:
+    """Read the documents of ``cfg.source`` and split them into the held-out stream and the
+    train stream of ``worker``'s shard (all shards without a worker). Raises DataError if the
+    data or the tokenizer is not the run's (``cfg.fingerprint``, ``cfg.tokenizer_sha256``)."""
+    tok = Tokenizer(cfg.tokenizer, cfg.tokenizer_sha256)
     if tok.vocab_size > vocab_size:
         raise DataError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size is {vocab_size}; "
                         "raise model.vocab_size")
+    source = Source(cfg.source, cfg.text_field, cfg.fingerprint)
+    dataset = source.kind.startswith("hf")
+    if dataset:  # a dataset's fingerprint at once; local files' after the pass that reads them
+        source.check()
+    shard = shard_of(worker, cfg.seed, cfg.shards) if worker is not None and cfg.shards > 1 else None
+    train_cap = cfg.max_shard_bytes or float("inf")
     train, held = bytearray(), bytearray()
     n_train = n_held = 0
-    for name, path in list_documents(cfg.source):
-        try:
-            text = path.read_bytes()
-        except OSError as e:
-            log.warning("skipping unreadable document path=%s reason=%s", path, e)
-            continue
+    log.info("reading data source=%s shard=%s", cfg.source, "all" if shard is None else f"{shard}/{cfg.shards}")
+    for name, text in source.documents():
         if is_heldout(name, cfg.seed, cfg.heldout_fraction):
-            held += text + _DOC_SEPARATOR
-            n_held += 1
-        else:
+            if len(held) < HELDOUT_MAX_BYTES:
+                held += text + _DOC_SEPARATOR
+                n_held += 1
+        elif (shard is None or doc_shard(name, cfg.seed, cfg.shards) == shard) and len(train) < train_cap:
             train += text + _DOC_SEPARATOR
             n_train += 1
+        if dataset and len(train) >= train_cap and len(held) >= HELDOUT_MAX_BYTES:
+            break
+    if not dataset:  # local files are read whole, to check them
+        source.check()
+    where = "" if shard is None else f" in shard {shard} of {cfg.shards}"
     if n_held == 0 or n_train == 0:
-        raise DataError(f"data source {cfg.source!r} is too small to split: {n_train} train and {n_held} "
-                        f"held-out documents; add files or raise data.heldout_fraction")
-    log.info("corpus source=%s train_docs=%d train_bytes=%d heldout_docs=%d heldout_bytes=%d",
-             cfg.source, n_train, len(train), n_held, len(held))
+        raise DataError(f"data source {cfg.source!r} is too small to split: {n_train} train documents{where} and "
+                        f"{n_held} held-out; add documents, raise data.heldout_fraction or lower data.shards")
+    log.info("corpus source=%s shard=%s train_docs=%d train_bytes=%d heldout_docs=%d heldout_bytes=%d",
+             cfg.source, "all" if shard is None else f"{shard}/{cfg.shards}", n_train, len(train), n_held, len(held))
     return Corpus(tok.encode(bytes(train)), tok.encode(bytes(held)), n_train, n_held)
 
 

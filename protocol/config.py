@@ -110,21 +110,49 @@ class DataConfig:
     """Where training text comes from and how it is split."""
 
     source: str = "stdlib"
-    """``stdlib`` (the running Python's standard library .py files), a file, a folder, or a
-    glob. Peers on different Python versions see different ``stdlib`` text; pin a folder for
-    runs that must be reproducible across machines."""
+    """``stdlib`` (the running Python's standard library .py files, for demos: it differs
+    between Python versions and is not fingerprinted), a file, a folder, or a glob of text or
+    ``.jsonl`` files (one document per line, its ``text_field``), or ``hf:NAME[:CONFIG]``: a
+    Hugging Face dataset, streamed from the hub at the revision the fingerprint pins, or
+    ``hf:FOLDER``, one saved with ``datasets``' ``save_to_disk`` (its ``train`` split)."""
     seed: int = 0
     """Seeds the held-out split and every worker's shard."""
     heldout_fraction: float = 0.02
-    """Share of documents (chosen by a hash of path and seed) that no worker trains on."""
+    """Share of documents (chosen by a hash of their name and seed) that no worker trains on."""
     tokenizer: str | None = None
     """Path to a Hugging Face ``tokenizers`` JSON file; None means raw bytes (vocab 256)."""
+    shards: int = 1
+    """Training documents are dealt into this many shards by a hash of their name and seed,
+    and each worker reads one, chosen by a hash of its identity and seed. 1: every worker
+    samples from all of them."""
+    max_shard_bytes: int = 0
+    """Most bytes of text a worker reads from its shard (then it stops reading); 0: all of it.
+    Bounds memory and download with a large or streamed dataset."""
+    text_field: str = "text"
+    """The field holding a document's text in ``.jsonl`` lines and ``hf:`` datasets."""
+    fingerprint: str = ""
+    """What ``run new`` found at ``source`` (``peer.sources.fingerprint``): a worker whose data
+    differs refuses to start. Empty: not checked (``stdlib``)."""
+    tokenizer_sha256: str = ""
+    """SHA-256 of the tokenizer file, set by ``run new``; a worker with another file refuses
+    to start."""
 
     def __post_init__(self) -> None:
         _check(bool(self.source), "data.source must not be empty; use 'stdlib' or a path")
+        _check(len(self.source) <= 1024 and "\n" not in self.source, "data.source must be one line of at most 1024 characters")
         _check(0.0 < self.heldout_fraction < 0.5,
                f"data.heldout_fraction must be in (0, 0.5), got {self.heldout_fraction}")
         _check(self.seed >= 0, "data.seed must be >= 0")
+        _check(1 <= self.shards <= 1 << 20, f"data.shards must be in [1, 1048576], got {self.shards}")
+        _check(self.max_shard_bytes >= 0, f"data.max_shard_bytes must be >= 0 (0: no limit), got {self.max_shard_bytes}")
+        _check(0 < len(self.text_field) <= 64, "data.text_field must be a field name of 1 to 64 characters")
+        _check(len(self.fingerprint) <= 256 and "\n" not in self.fingerprint,
+               "data.fingerprint must be one line of at most 256 characters")
+        _check(self.tokenizer_sha256 == "" or (len(self.tokenizer_sha256) == 64
+                                               and all(c in "0123456789abcdef" for c in self.tokenizer_sha256)),
+               "data.tokenizer_sha256 must be empty or 64 lowercase hex digits")
+        _check(not self.tokenizer_sha256 or self.tokenizer is not None,
+               "data.tokenizer_sha256 is set but data.tokenizer is not")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

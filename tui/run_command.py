@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from protocol.config import CODEC_NAMES, PRESETS, SYNC_MODES, DataConfig, InnerConfig, OuterConfig, TrainConfig
-from protocol.errors import ProtocolError
+from protocol.errors import ConfigError, ProtocolError
 from protocol.manifest import (
     MANIFEST_SUFFIX, RunAddress, RunManifest, SwarmConfig, format_run_id, open_manifest, sign_manifest,
 )
@@ -29,7 +29,7 @@ from protocol.messages import MAX_HEAD_BYTES
 _FIELDS = {
     "seq_len": ("model", "seq_len"),
     "data": ("data", "source"), "seed": ("data", "seed"), "heldout_fraction": ("data", "heldout_fraction"),
-    "tokenizer": ("data", "tokenizer"),
+    "tokenizer": ("data", "tokenizer"), "shards": ("data", "shards"), "text_field": ("data", "text_field"),
     "lr": ("inner", "lr"), "warmup_steps": ("inner", "warmup_steps"), "total_steps": ("inner", "total_steps"),
     "batch_size": ("inner", "batch_size"), "grad_accum": ("inner", "grad_accum"),
     "weight_decay": ("inner", "weight_decay"),
@@ -57,7 +57,14 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     new.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model size (default: tiny)")
     new.add_argument("--seq-len", type=int, help="context length (default: the preset's)")
     g = new.add_argument_group("data")
-    g.add_argument("--data", help="'stdlib' (default), or a file, folder or glob every volunteer has")
+    g.add_argument("--data", "--dataset", dest="data",
+                   help="'stdlib' (default); a file, folder or glob of text or .jsonl files every volunteer has; "
+                        "hf:NAME[:CONFIG] (a Hugging Face dataset, streamed) or hf:FOLDER (one saved with "
+                        "save_to_disk). Its fingerprint goes into the manifest")
+    g.add_argument("--shards", type=int, help="deal the training documents into this many shards, one per "
+                                               "worker by its identity (default 1: all to everyone)")
+    g.add_argument("--max-shard-mb", type=float, help="most MB of text a worker reads from its shard (default: all)")
+    g.add_argument("--text-field", help="field of a .jsonl line or dataset row holding the text (default 'text')")
     g.add_argument("--seed", type=int, help="seeds the held-out split and the shards")
     g.add_argument("--heldout-fraction", type=float, help="share of documents held out (default 0.02)")
     g.add_argument("--tokenizer", help="a tokenizers JSON file (default: raw bytes)")
@@ -115,15 +122,40 @@ def build_configs(args: argparse.Namespace) -> tuple[TrainConfig, SwarmConfig]:
         value = getattr(args, dest, None)
         if value is not None:
             given[section][name] = value
+    mb = getattr(args, "max_shard_mb", None)
+    if mb is not None:
+        if not (mb >= 0 and mb < 1 << 30):
+            raise ConfigError(f"--max-shard-mb must be a number of MB >= 0 (0: all), got {mb}")
+        given["data"]["max_shard_bytes"] = int(mb * (1 << 20))
     model = dataclasses.replace(PRESETS[args.preset], **given["model"])
     train = TrainConfig(model=model, data=DataConfig(**given["data"]), inner=InnerConfig(**given["inner"]),
                         outer=OuterConfig(**given["outer"]), sync=dataclasses.replace(SYNC_MODES[args.mode], **given["sync"]))
     return train, SwarmConfig(**given["swarm"])
 
 
+def fingerprint_data(train: TrainConfig) -> TrainConfig:
+    """``train`` with the fingerprint of its data and the hash of its tokenizer, as found here
+    (``peer.sources``): what every worker checks its own against before it trains."""
+    from peer.sources import DataError, Source, file_sha256  # lazy: no torch, but reads files
+
+    data = train.data
+    try:
+        source = Source(data.source, data.text_field)
+        if source.kind != "stdlib":
+            print(f"reading {data.source} to fingerprint it...", file=sys.stderr, flush=True)
+        fingerprint = source.fingerprint()
+        tok = file_sha256(data.tokenizer) if data.tokenizer is not None else ""
+    except OSError as e:
+        raise ProtocolError(f"cannot read tokenizer {data.tokenizer!r}: {e.strerror or e}") from None
+    except DataError as e:
+        raise ProtocolError(str(e)) from None
+    return dataclasses.replace(train, data=dataclasses.replace(data, fingerprint=fingerprint, tokenizer_sha256=tok))
+
+
 def run_new(args: argparse.Namespace) -> int:
     try:
         train, swarm = build_configs(args)
+        train = fingerprint_data(train)
         for maddr in args.bootstrap:  # check them before anything is written
             RunAddress(bytes(20), (maddr,))
         from peer.identity_store import load_or_create_identity  # lazy: the CLI starts fast
@@ -144,6 +176,7 @@ def run_new(args: argparse.Namespace) -> int:
     print(f"model     {args.preset}, {train.model.num_params():,} parameters; "
           f"H={train.sync.inner_steps} P={train.sync.fragments} tau={train.sync.overlap} "
           f"alpha={train.sync.alpha} codec={train.sync.codec} group={swarm.group_size}")
+    print(f"data      {_data_line(train)}")
     print(f"host with swarmstream host {path}")
     print("          (it starts your node for this run and prints the address others paste into "
           "`swarmstream join`)")
@@ -173,9 +206,18 @@ def run_show(args: argparse.Namespace) -> int:
     s = m.train.sync
     print(f"sync         {s.method} H={s.inner_steps} P={s.fragments} tau={s.overlap} alpha={s.alpha} codec={s.codec} "
           f"clip={s.clip} audit={s.audit}")
+    print(f"data         {_data_line(m.train)}")
     print(f"swarm        group of {m.swarm.group_size}, matchmaking {m.swarm.matchmaking_timeout_s:g} s, "
           f"all-reduce {m.swarm.allreduce_timeout_s:g} s")
     return 0
+
+
+def _data_line(train: TrainConfig) -> str:
+    d = train.data
+    shards = "all to every worker" if d.shards == 1 else f"{d.shards} shards"
+    cap = f", at most {d.max_shard_bytes / (1 << 20):g} MB each" if d.max_shard_bytes else ""
+    fp = f"fingerprint {d.fingerprint[:40]}" if d.fingerprint else "not fingerprinted"
+    return f"{d.source} ({shards}{cap}; {fp})"
 
 
 def _write_file(path: Path, data: bytes, *, overwrite: bool) -> None:

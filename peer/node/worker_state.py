@@ -33,7 +33,7 @@ class WorkerStateMixin:
         if device.type == "cuda" and compute.gpu_memory_fraction < 1.0:
             torch.cuda.set_per_process_memory_fraction(compute.gpu_memory_fraction, device)
         if self._corpus is None:
-            self._corpus = load_corpus(train.data, train.model.vocab_size)
+            self._corpus = load_corpus(train.data, train.model.vocab_size, self.identity.public_key)
         # bf16 autocast where the GPU supports it: the inner steps are ~2x faster, and the outer
         # state (fragments, pseudo-gradients) stays fp32 either way
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
