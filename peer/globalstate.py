@@ -50,10 +50,12 @@ class GlobalState:
     """Inner steps of the run at this state."""
 
 
-def snapshot(worker: Any, rounds: Sequence[int] | None = None) -> GlobalState:
+def snapshot(worker: Any, rounds: Sequence[int] | None = None, *, copy: bool = True) -> GlobalState:
     """A copy of ``worker``'s global state (call from the thread that trains it).
 
-    ``rounds`` defaults to ``worker.rounds``; a Worker without that attribute must be given it."""
+    ``rounds`` defaults to ``worker.rounds``; a Worker without that attribute must be given it.
+    ``copy=False``: views of the worker's tensors instead, valid until it next trains (to
+    ``pack_state`` them at once, on the same thread: one copy of the state, not two)."""
     if not worker.outer:
         raise StateSyncError("state sync needs sync.method='diloco' (a ddp worker has no global copy)")
     if rounds is None:
@@ -66,10 +68,12 @@ def snapshot(worker: Any, rounds: Sequence[int] | None = None) -> GlobalState:
     tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for p, frag in enumerate(worker.outer):
-            tensors[f"global/{p}"] = frag.global_flat.detach().clone()
+            g = frag.global_flat.detach()
+            tensors[f"global/{p}"] = g.clone() if copy else g
             buf = frag.opt.state.get(frag.global_flat, {}).get("momentum_buffer")
             if buf is not None:
-                tensors[f"outer_momentum/{p}"] = buf.detach().float().cpu().clone()
+                m = buf.detach().float().cpu()
+                tensors[f"outer_momentum/{p}"] = m.clone() if copy and m.data_ptr() == buf.data_ptr() else m
     return GlobalState(tensors=tensors, rounds=rounds, step=int(worker.step))
 
 
@@ -128,9 +132,18 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def encode_state(state: GlobalState, run_id: bytes, chunk_bytes: int) -> tuple[StateIndex, bytearray]:
-    """The state's index and blob (see the module docstring); deterministic. Costs about one
-    SHA-256 pass and one copy of the state (~1 s per GB)."""
+@dataclass(frozen=True, slots=True)
+class PackedState:
+    """A state's blob, its index not computed yet (``pack_state``, then ``index_packed``)."""
+
+    blob: bytearray
+    rounds: tuple[int, ...]
+    step: int
+
+
+def pack_state(state: GlobalState) -> PackedState:
+    """Copy ``state`` into its blob (see the module docstring): one copy, no hashing. Call it
+    where the tensors cannot change meanwhile (the training thread, for a snapshot's views)."""
     names = sorted(state.tensors)
     arrays = []
     for name in names:
@@ -149,16 +162,29 @@ def encode_state(state: GlobalState, run_id: bytes, chunk_bytes: int) -> tuple[S
     for a in arrays:
         blob[pos:pos + a.nbytes] = memoryview(a).cast("B")
         pos += a.nbytes
+    return PackedState(blob, tuple(int(r) for r in state.rounds), int(state.step))
+
+
+def index_packed(packed: PackedState, run_id: bytes, chunk_bytes: int) -> StateIndex:
+    """The index of a packed state: one SHA-256 pass over the blob (hashlib releases the GIL,
+    so another thread may run it while the event loop goes on)."""
+    total = len(packed.blob)
     # more chunks than an index may list: grow them, the same way on every peer
     size = max(chunk_bytes, -(-total // MAX_STATE_CHUNKS))
     if size > MAX_CHUNK_BYTES:
         raise StateSyncError(f"a state of {total} bytes is too large to sync (over {MAX_STATE_CHUNKS} chunks "
                              f"of {MAX_CHUNK_BYTES} bytes)")
-    view = memoryview(blob)
+    view = memoryview(packed.blob)
     digests = tuple(sha256(view[o:o + size]) for o in range(0, total, size))
-    index = StateIndex(run_id=run_id, step=int(state.step), rounds=tuple(state.rounds), format=FORMAT,
-                       total_bytes=total, chunk_bytes=size, chunk_digests=digests)
-    return index, blob
+    return StateIndex(run_id=run_id, step=packed.step, rounds=packed.rounds, format=FORMAT,
+                      total_bytes=total, chunk_bytes=size, chunk_digests=digests)
+
+
+def encode_state(state: GlobalState, run_id: bytes, chunk_bytes: int) -> tuple[StateIndex, bytearray]:
+    """The state's index and blob (see the module docstring); deterministic. Costs about one
+    SHA-256 pass and one copy of the state (~1 s per GB)."""
+    packed = pack_state(state)
+    return index_packed(packed, run_id, chunk_bytes), packed.blob
 
 
 def index_digest(index: StateIndex) -> bytes:

@@ -60,7 +60,8 @@ def lr_at(step: int, cfg: InnerConfig) -> float:
 
 
 class Worker:
-    def __init__(self, cfg: TrainConfig, *, device: torch.device | str = "cpu", bf16: bool = False):
+    def __init__(self, cfg: TrainConfig, *, device: torch.device | str = "cpu", bf16: bool = False,
+                 checkpointing: bool = False):
         self.cfg = cfg
         self.device = torch.device(device)
         if bf16 and self.device.type == "cpu":
@@ -71,13 +72,15 @@ class Worker:
             torch.manual_seed(cfg.data.seed)
             self.model = Transformer(cfg.model)
         self.model.to(self.device)
+        self.model.checkpointing = checkpointing
         inner = cfg.inner
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=lr_at(0, inner), betas=(inner.beta1, inner.beta2),
-            foreach=self.device.type != "cpu" or None)
+            # one fused kernel per step on CUDA; the multi-tensor path elsewhere off the CPU
+            **({"fused": True} if self.device.type == "cuda" else {"foreach": self.device.type != "cpu" or None}))
         self.step = 0  # completed inner steps
         self.tokens = 0  # tokens trained, all time
         sync = cfg.sync

@@ -8,7 +8,8 @@ import logging
 import time
 
 from peer.globalstate import (
-    StateSyncError, apply, check_distance, check_finite, choose_digest, repair_vote, snapshot, vouchers_needed,
+    StateSyncError, apply, check_distance, check_finite, choose_digest, pack_state, repair_vote, snapshot,
+    vouchers_needed,
 )
 from peer.network import NetworkError
 from peer.node.config import STATE_INDEX_ATTEMPTS
@@ -212,9 +213,10 @@ class CatchUpMixin:
         (and digests) at each landing; a joiner gets the swarm's newest state, not the last
         full round's."""
         self._harvest_published()
-        state = snapshot(worker, self.stats.rounds)
+        # one copy of the state, made here where nothing changes it; hashed off the event loop
+        packed = pack_state(snapshot(worker, self.stats.rounds, copy=False))
         self._publishing.append((tuple(self.stats.rounds), self._lineage,
-                                 self.net.submit(self.state_server.publish(state))))
+                                 self.net.submit(self.state_server.publish_packed(packed))))
 
     def _new_lineage(self) -> None:
         """Our copy left the one our past digests describe (a lone landing, a download):

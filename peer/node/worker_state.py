@@ -19,6 +19,7 @@ from protocol.messages_control import (
 )
 
 log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
+CHECKPOINT_FROM_PARAMS = 500_000_000
 
 
 class WorkerStateMixin:
@@ -37,7 +38,10 @@ class WorkerStateMixin:
         # bf16 autocast where the GPU supports it: the inner steps are ~2x faster, and the outer
         # state (fragments, pseudo-gradients) stays fp32 either way
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        worker = Worker(train, device=device, bf16=bf16)
+        # activation checkpointing where memory, not compute, bounds the model: an accelerator
+        # and a model of CHECKPOINT_FROM_PARAMS or more (the 1b preset on a 24 GB GPU)
+        checkpointing = device.type == "cuda" and train.model.num_params() >= CHECKPOINT_FROM_PARAMS
+        worker = Worker(train, device=device, bf16=bf16, checkpointing=checkpointing)
         sampler = ShardSampler(self._corpus.train, train.model.seq_len, train.inner.batch_size, train.data.seed,
                                self.identity.public_key)
         rounds = [0] * len(worker.outer)

@@ -55,3 +55,31 @@ def test_too_long_sequence_is_a_clear_error():
     model = Transformer(PRESETS["tiny"])
     with pytest.raises(ValueError, match="seq_len"):
         model(torch.zeros(1, PRESETS["tiny"].seq_len + 1, dtype=torch.long))
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    """Recomputing each block in the backward pass (the large presets on a GPU) changes memory,
+    not values: the same loss and gradients, bit for bit on CPU."""
+    from peer.worker import Worker
+    from protocol.config import InnerConfig, SyncConfig, TrainConfig
+
+    cfg = TrainConfig(model=ModelConfig(n_layers=3, d_model=32, n_heads=4, d_ff=64, seq_len=16),
+                      inner=InnerConfig(batch_size=2), sync=SyncConfig(fragments=1))
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads, calls = [], []
+    for checkpointing in (False, True):
+        w = Worker(cfg, checkpointing=checkpointing)
+        n, block = [0], w.model.layers[0]
+        forward = block.forward
+
+        def counted(*args, _forward=forward, _n=n):
+            _n[0] += 1
+            return _forward(*args)
+
+        block.forward = counted
+        loss = w.forward_backward([(x, x.roll(-1, 1))])
+        grads.append((loss, [p.grad.clone() for p in w.model.parameters()]))
+        calls.append(n[0])
+    assert calls == [1, 2]  # with checkpointing, the block ran again in the backward pass
+    assert grads[0][0] == grads[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1]))

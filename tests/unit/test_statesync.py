@@ -216,3 +216,28 @@ def test_apply_keeping_progress_moves_what_was_trained_onto_the_new_copy_and_kee
     for p, frag in enumerate(w.outer):
         assert torch.equal(frag.global_flat, state.tensors[f"global/{p}"])
         assert torch.allclose(frag.pseudo_gradient(), before[p], atol=1e-6)
+
+
+def test_a_packed_state_is_published_off_the_loop_in_order_with_the_digest_publish_gives():
+    """The node packs the worker's tensors on its training thread (views, one copy) and the
+    server hashes them in a thread: the same digest as ``publish`` of a copy, and publishes
+    land in the order they were asked for even when the first takes longer to hash."""
+    import asyncio
+
+    from peer.globalstate import pack_state
+    from peer.statesync import StateServer
+    from protocol.identity import Identity
+
+    w = trained_worker(0)
+    expected = index_digest(encode_state(snapshot(w, rounds=[2, 2]), RUN, 1000)[0])
+    packed = pack_state(snapshot(w, rounds=[2, 2], copy=False))
+    w.outer[0].global_flat.add_(1.0)  # the worker trains on: the packed blob is a copy
+    small = pack_state(snapshot(Worker(CFG), rounds=[0, 0]))
+
+    async def go() -> tuple[bytes, bytes, bytes]:
+        server = StateServer(None, Identity.generate(), RUN, chunk_bytes=1000)
+        first, second = await asyncio.gather(server.publish_packed(packed), server.publish_packed(small))
+        return first, second, server.digest
+
+    first, second, current = asyncio.run(go())
+    assert first == expected and current == second != first
