@@ -44,8 +44,8 @@ Agreement (``peer.allreduce_round``). Then every member tells the others which p
 of a part it holds to a member that reports lacking it; a member takes a forwarded part once
 one forwarder has sent all of it, checked as if its reducer had sent it. Each waits until
 every member it waits for has reported (``Round.took_part``: also one that sent nothing in
-time and does not acknowledge our report, since starved of CPU it may still hold its own part)
-and it holds every part someone holds, or ``2.5 * D``. So a member that timed out on a part, or whose slice a reducer dropped as late (a
+time, since late or starved of CPU it may still hold its own part) and it holds every part
+someone holds, or ``2.5 * D``. So a member that timed out on a part, or whose slice a reducer dropped as late (a
 reducer sends its mean to its contributors, and members it banned, only), still ends the round with the part the
 others hold: members that timed out on each other no longer land different averages. A
 member keeps the parts of its last few finished rounds to answer a report that comes after it
@@ -92,7 +92,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P
 
-from peer.allreduce_round import SILENT_GRACE, Round
+from peer.allreduce_round import Round
 from peer.audit import Audits
 from peer.inbox import HEADER_LEN, FrameTooLarge, PendingFrames, StreamEnded, StreamGate, TooManyStreams, \
     peek_group, read_body, read_header
@@ -425,7 +425,7 @@ class Averager:
         if gid in self._active:
             raise LocalProtocolError(f"group {gid.hex()} is already averaging")
         excluded = frozenset(i for i, key in enumerate(group.members) if peer_id_from_public_key(key) in self.banned)
-        rnd = Round(group, me, vec, get_codec(group.codec), self.clip, excluded)
+        rnd = Round(group, me, vec, get_codec(group.codec), self.clip, excluded, self.banned)
         self._active[gid] = rnd
         for peer_id, item, nbytes, data in self._pending.pop(gid):  # in arrival order
             if isinstance(item, StreamEnded):
@@ -587,8 +587,6 @@ class Averager:
             left = rnd.agree_deadline - loop.time()
             nbytes = await asyncio.wait_for(self._send_frames(rnd.peer_ids[i], frames), max(left, 0.001))
             rnd.sent[0] += nbytes
-            rnd.answered[i] = loop.time()  # if it sent us nothing, we wait for its report a little longer only
-            loop.call_later(SILENT_GRACE * rnd.group.deadline_s + 0.01, rnd.changed.set)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001  (as in _deliver: failing to reach a peer is its problem)

@@ -53,10 +53,6 @@ LATE = ("timeout", "short")
 ended with its slice or part short. A late member may still send its part, and it may have
 landed parts nobody else holds, so the agreement waits for its report."""
 
-SILENT_GRACE = 0.25
-"""Of the deadline: a member that sent us nothing in the round and acknowledged our report this
-long ago is not averaging this group (it never joined it); we stop waiting for its report."""
-
 log = logging.getLogger("peer.allreduce")
 
 FP32 = get_codec("fp32")
@@ -85,8 +81,11 @@ class Round:
     """One member's all-reduce of one group (see the module docstring)."""
 
     def __init__(self, group: Any, me: int, vector: torch.Tensor, codec: Codec, clip: float = 0.0,
-                 excluded: frozenset[int] = frozenset()):
+                 excluded: frozenset[int] = frozenset(), banned: Any = frozenset()):
         self.group, self.me, self.codec, self.clip = group, me, codec, clip
+        self.banned = banned
+        """Peer IDs banned for a proven lie, as the node holds them now (a ban may come during
+        the round): their reports are not waited for."""
         self.excluded = excluded - {me}
         """Members banned for a proven lie: we average none of their pushes (a reducer decides
         its contributors, so the others still land what we land). Their reduced parts are
@@ -127,7 +126,6 @@ class Round:
         self.disputed: set[int] = set()
         self.forwarded: set[tuple[int, int]] = set()  # (member, part) we sent
         self.gone: set[int] = set()  # members our report could not reach: not waited for
-        self.answered: dict[int, float] = {}  # member -> when it acknowledged our report (event-loop time)
         self.collecting_pushes = True
         self.collecting_means = True
         self.agreeing = False
@@ -168,26 +166,19 @@ class Round:
                      for j in range(self.n))
 
     def took_part(self) -> list[int]:
-        """The other members whose report we wait for. Those we heard from in this round (they
-        pushed to us, sent us a part, a reducer counted them, or they reported). And those that
-        sent us nothing, except when our report could not reach them, we dropped them for a
-        lie, or they acknowledged our report ``SILENT_GRACE`` x the deadline ago and still
-        said nothing (alive, and not averaging this group: they never joined it). A member
-        starved of CPU until after our deadlines acknowledges nothing meanwhile, and may still
-        hold its own part, which nobody else holds: landing without its report would leave us
-        and it with different averages."""
-        counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
-        quiet_since = time.monotonic() - SILENT_GRACE * self.group.deadline_s  # the event loop's clock
-        out = []
-        for i in range(self.n):
-            if i == self.me or i in self.gone:
-                continue
-            heard = self.pushed[i] or self.got[i] or i in counted or i in self.reports
-            if not heard and ((i in self.dropped and not self.dropped[i].startswith(LATE))
-                              or self.answered.get(i, math.inf) <= quiet_since):
-                continue
-            out.append(i)
-        return out
+        """The other members whose report we wait for: every one but those our report could
+        not reach and those we dropped for, or banned for, a lie (unless they reported). A
+        member that sent us nothing in time may be alive and late: it started this group
+        after us (busy with its previous round; its averager buffered our frames meanwhile, so
+        an acknowledgement says nothing), or it was starved of CPU until after our deadlines.
+        Either way it may hold a part nobody else holds, its own: landing without its report
+        would leave us and it with different averages. A dead one is waited for until our
+        report fails to reach it (at once on a refused connection), a member that never joined
+        the group until the agreement's deadline. A liar is not: one that comes late on purpose
+        would have the members that still wait take its part and those done not."""
+        return [i for i in range(self.n) if i != self.me and i not in self.gone
+                and (i in self.reports or ((i not in self.dropped or self.dropped[i].startswith(LATE))
+                                           and self.peer_ids[i] not in self.banned))]
 
     def agreed(self) -> bool:
         """Every member we wait for (``took_part``) has reported, we hold every part that any of them

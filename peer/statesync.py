@@ -39,8 +39,9 @@ overhead), and every read and write has a deadline.
 Donor (``StateServer``)
 -----------------------
 ``publish`` encodes a snapshot and keeps it as the current state, and the one before it as the
-previous (a node uses ``publish_packed``: the blob copied where the model trains, its chunks
-hashed in a worker thread, so the event loop that averages never waits on a large state), so a download that started just before a round landed still completes. It answers
+previous (a node uses ``publish_packed``: the blob copied where the model trains, its
+chunks hashed in a worker thread, so the event loop that averages never waits on a large
+state), so a download that started just before a round landed still completes. It answers
 ``RequestStateIndex`` with the current index and ``RequestStateChunk`` for either state; an
 unknown digest or chunk gets ``Rejected("not_found")``. At most ``max_concurrent`` sessions are
 served at once; a session beyond that gets ``Rejected("busy")`` to its first request and is

@@ -187,10 +187,15 @@ def test_host_join_status_pause_resume_stop_with_two_identities(tmp_path, runnin
     assert st["state"] in ("training", "averaging", "syncing") and st["join_address"]
 
     run_id = address.split(":")[1].split("@")[0]
-    metrics = scrape(port)  # the host's, after it averaged with the joiner
+    # the host's, after it averaged with the joiner; its peers gauge, like the joiner's
+    # peers table, comes from heartbeats, which can lapse for a moment on a loaded machine
+    deadline = time.monotonic() + 120
+    while (metrics := scrape(port))["swarmstream_peers"] < 1:
+        assert time.monotonic() < deadline, f"the host never counted the joiner among its peers: {metrics}"
+        time.sleep(0.5)
     assert metrics[f'swarmstream_node_info{{client="swarmstream/{__version__}",peer="{host_peer(host)}",run="{run_id}"}}'] == 1
     assert metrics['swarmstream_syncs_total{outcome="ok"}'] >= 1 and metrics["swarmstream_tokens_total"] > 0
-    assert metrics['swarmstream_bytes_total{direction="sent"}'] > 0 and metrics["swarmstream_peers"] >= 1
+    assert metrics['swarmstream_bytes_total{direction="sent"}'] > 0
     assert metrics["swarmstream_train_loss"] > 0 and metrics["swarmstream_banned_peers"] == 0
     assert metrics['swarmstream_audits_total{verdict="wrong"}'] == 0  # honest means are never proven wrong
 
