@@ -96,7 +96,7 @@ def main() -> None:
             await asyncio.sleep(0.01)
             lag["max"] = max(lag["max"], loop.time() - t - 0.01)
 
-    asyncio.run_coroutine_threadsafe(ticker(), loop)
+    ticking = asyncio.run_coroutine_threadsafe(ticker(), loop)
     rows = []
     for r in range(args.repeats):
         for way in ("loop", "thread"):
@@ -120,6 +120,8 @@ def main() -> None:
                 time.sleep(0.05)  # a tick after the publish: the lag it caused is recorded
             rows.append({"way": way, "repeat": r, "trainer_s": trainer_s, "served_s": served_s,
                          "loop_stall_s": lag["max"], "peak_rss_above_mib": (peak.peak - peak.base) / 2**20})
+    ticking.cancel()
+    time.sleep(0.05)
     loop.call_soon_threadsafe(loop.stop)
     print(f"preset {args.preset}: state (global + outer momentum) {state_mib:.0f} MiB")
     print_table(rows, [("way", "way", "<6"), ("repeat", "#", ">2d"), ("trainer_s", "training thread s", ">17.3f"),

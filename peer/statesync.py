@@ -157,7 +157,7 @@ def _short(peer_id: str) -> str:
 class _Published:
     digest: bytes
     index: StateIndex
-    blob: bytearray
+    blob: bytearray | memoryview
     """Never changed once published (chunks are served as views into it)."""
     sealed_index: bytes
 
@@ -220,7 +220,7 @@ class StateServer:
             index = await asyncio.to_thread(index_packed, packed, self.run_id, self.chunk_bytes)
             return self.publish_encoded(index, packed.blob)
 
-    def publish_encoded(self, index: StateIndex, blob: bytearray) -> bytes:
+    def publish_encoded(self, index: StateIndex, blob: bytearray | memoryview) -> bytes:
         """``publish`` for a state already encoded by ``encode_state`` (call on the loop)."""
         if index.run_id != self.run_id or len(blob) != index.total_bytes:
             raise ValueError("the encoded state belongs to another run or does not match its index")
