@@ -114,6 +114,9 @@ class Source:
                 raise DataError("data source 'hf:' names no dataset; give hf:NAME[:CONFIG] or hf:FOLDER")
             if os.path.isdir(os.path.expanduser(rest)):
                 self.kind, self.path = "hf-disk", os.path.expanduser(rest)
+            elif rest.startswith(("/", ".", "~")):
+                raise DataError(f"no dataset folder at {rest!r} (data source {source!r}); save one there with "
+                                "datasets' save_to_disk, or give hf:NAME for one on the hub")
             else:
                 self.kind = "hf-hub"
                 self.name, _, config = rest.partition(":")
