@@ -43,9 +43,8 @@ Agreement (``peer.allreduce_round``). Then every member tells the others which p
 (``PartsHeld``, a digest per part) and forwards the reducer's signed ``SliceAveraged`` frames
 of a part it holds to a member that reports lacking it; a member takes a forwarded part once
 one forwarder has sent all of it, checked as if its reducer had sent it. Each waits until
-every member it waits for has reported (``Round.took_part``: also one that sent nothing in
-time, since late or starved of CPU it may still hold its own part) and it holds every part
-someone holds, or ``2.5 * D``. So a member that timed out on a part, or whose slice a reducer dropped as late (a
+every member it knows took part has reported (``Round.took_part``: not one banned for a lie)
+and it holds every part someone holds, or ``2.5 * D``. So a member that timed out on a part, or whose slice a reducer dropped as late (a
 reducer sends its mean to its contributors, and members it banned, only), still ends the round with the part the
 others hold: members that timed out on each other no longer land different averages. A
 member keeps the parts of its last few finished rounds to answer a report that comes after it
@@ -413,7 +412,7 @@ class Averager:
     async def allreduce(self, group: Group, vector: torch.Tensor, weight: float) -> AllReduceOutcome:
         """Average ``vector`` (numel,) with the group's other members; see the module docstring.
         Never waits more than ``2.5 * group.deadline_s`` (plus the local encode/decode), and
-        that long only when a member that is not known dead never reports."""
+        that long only when a member that took part never reports."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         started = time.perf_counter()
@@ -518,6 +517,7 @@ class Averager:
         ``peer.allreduce_round``) or the agreement's deadline."""
         g = rnd.group
         rnd.agreeing = True
+        rnd.early = not rnd.heard_from_anyone()
         rnd.reported = rnd.digests()
         report = PartsHeld(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id,
                            digests=rnd.reported, norms=rnd.norms)

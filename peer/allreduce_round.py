@@ -129,6 +129,7 @@ class Round:
         self.collecting_pushes = True
         self.collecting_means = True
         self.agreeing = False
+        self.early = False  # we had heard from no other member as our agreement began (took_part)
         self.bytes_received = 0
         self.sent = [0]  # bytes, added to by every send of this round
         self.tasks: list[asyncio.Task[None]] = []  # this round's sends
@@ -166,19 +167,35 @@ class Round:
                      for j in range(self.n))
 
     def took_part(self) -> list[int]:
-        """The other members whose report we wait for: every one but those our report could
-        not reach and those we dropped for, or banned for, a lie (unless they reported). A
-        member that sent us nothing in time may be alive and late: it started this group
-        after us (busy with its previous round; its averager buffered our frames meanwhile, so
-        an acknowledgement says nothing), or it was starved of CPU until after our deadlines.
-        Either way it may hold a part nobody else holds, its own: landing without its report
-        would leave us and it with different averages. A dead one is waited for until our
-        report fails to reach it (at once on a refused connection), a member that never joined
-        the group until the agreement's deadline. A liar is not: one that comes late on purpose
-        would have the members that still wait take its part and those done not."""
-        return [i for i in range(self.n) if i != self.me and i not in self.gone
-                and (i in self.reports or ((i not in self.dropped or self.dropped[i].startswith(LATE))
-                                           and self.peer_ids[i] not in self.banned))]
+        """The other members whose report we wait for: those we know are in this round (they
+        pushed to us, sent us a part, or a reducer counted them, or reported); unless our
+        report could not reach them, or they are banned for a lie (checked now: a ban may come
+        during the round; a liar that comes late on purpose would have the members that still
+        wait take its part and those done not). A member that sent nothing is not waited for
+        (dead, paused, or in another group, it would hold every member to the agreement's
+        deadline), except when we had heard from nobody as our agreement began
+        (``early``): then we are more likely early than alone, the others busy with their
+        previous round, and landing without them would have them take our part while we fall
+        back on theirs."""
+        counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
+        out = []
+        for i in range(self.n):
+            if i == self.me or i in self.gone:
+                continue
+            if i in self.reports:
+                out.append(i)
+            elif self.peer_ids[i] in self.banned:
+                continue
+            elif self.pushed[i] or self.got[i] or i in counted:
+                out.append(i)
+            elif self.early and (i not in self.dropped or self.dropped[i].startswith(LATE)):
+                out.append(i)
+        return out
+
+    def heard_from_anyone(self) -> bool:
+        counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
+        return any(i != self.me and (self.pushed[i] or self.got[i] or i in counted or i in self.reports)
+                   for i in range(self.n))
 
     def agreed(self) -> bool:
         """Every member we wait for (``took_part``) has reported, we hold every part that any of them

@@ -18,10 +18,10 @@ The member lied to or withheld from is the one after it in the group's order.
 
 And a slow member, for the same tests: ``SWARMSTREAM_FAULT=stall:F:R:AT`` blocks this node's network
 thread once, in fragment F's round R (or the first later one it averages in a group), from right
-after it reduced its part (before its sends of it go out) until AT x the all-reduce deadline
-after it entered the round: what a member starved of CPU does to its group (its part reaches
-the others after their deadline, it reads theirs after its own, and it answers nobody
-meanwhile). The stall ends at a fixed point of the round's deadlines, not after a fixed time
+after its pushes went out and it reduced its part (before its sends of that part go out) until
+AT x the all-reduce deadline after it entered the round: what a member starved of CPU does to
+its group (its part reaches the others after their deadline, it reads theirs after its own,
+and it answers nobody meanwhile). The stall ends at a fixed point of the round's deadlines, not after a fixed time
 from a moment that the machine's load moves, so a test knows how long the agreement has left.
 """
 
@@ -118,16 +118,33 @@ def parse_stall(fault: str) -> tuple[int, int, float] | None:
 
 def make_staller(averager: Any, fragment: int, round_: int, at: float) -> None:
     """Wrap ``averager`` so that it blocks its event loop once, until ``at`` x the deadline
-    after the round started (see the docstring)."""
-    wait_means, done = averager._wait_means, []
+    after the round started (see the module docstring). Its pushes go out first (a starved
+    member is slow, not silent: the others know it took part); its reduced part's sends are
+    held until the stall ends."""
+    wait_means, deliver = averager._wait_means, averager._deliver
+    state: dict[str, Any] = {"round": None, "over": None}
+
+    def target(g) -> bool:
+        if state["round"] is None and g.fragment == fragment and g.round >= round_ and len(g.members) > 1:
+            state["round"], state["over"] = g.round, asyncio.Event()
+        return g.fragment == fragment and g.round == state["round"]
+
+    async def stalling_deliver(rnd, j, frames, deadline, sent, drop_on_failure):
+        if target(rnd.group) and not drop_on_failure:  # our reduced part: after the stall
+            await state["over"].wait()
+        return await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
 
     async def stalling_wait_means(rnd, deadline):
         g = rnd.group
-        if not done and g.fragment == fragment and g.round >= round_ and rnd.n > 1:
-            done.append(g.round)
+        if target(g) and not state["over"].is_set():
+            pushes = rnd.tasks[:sum(1 for j in range(rnd.n) if j != rnd.me and rnd.size(j))]
+            if pushes:
+                await asyncio.wait(pushes, timeout=g.deadline_s)
             started = rnd.agree_deadline - (1 + RESULT_GRACE + AGREE_GRACE) * g.deadline_s
             # blocks the whole network thread, as a starved CPU would
             time.sleep(max(0.0, started + at * g.deadline_s - asyncio.get_running_loop().time()))
+            state["over"].set()
         return await wait_means(rnd, deadline)
 
+    averager._deliver = stalling_deliver
     averager._wait_means = stalling_wait_means

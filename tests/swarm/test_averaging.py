@@ -17,7 +17,7 @@ import signal
 import pytest
 import torch
 
-from peer.allreduce import AGREE_GRACE, RESULT_GRACE
+from peer.allreduce import RESULT_GRACE
 from peer.simulation import allreduce as simulated_allreduce
 from protocol.butterfly import clip_scales, slice_bounds, slice_norm
 from protocol.codecs import get_codec
@@ -337,12 +337,9 @@ def test_a_killed_member_and_a_stalled_one_are_dropped_and_the_others_finish(swa
         got = as_tensor(avg)
         assert kind == "done" and dropped == (victim, stalled) and fallback == (victim, stalled)
         assert bool(torch.isfinite(got).all())
-        # the dead one is unreachable at once; the stalled one is dropped at the slice deadline,
-        # and its report is waited for until the agreement's deadline: alive (it acknowledges
-        # frames), it may be a member that started the group late or was starved of CPU, and
-        # hold its own part
-        full = (1 + RESULT_GRACE + AGREE_GRACE) * deadline
-        assert full - 0.5 < elapsed < full + 1.0
+        # the dead one is unreachable at once; the stalled one is dropped at the slice deadline
+        # (it sent nothing: its report is not waited for)
+        assert deadline - 0.5 < elapsed < (1 + RESULT_GRACE) * deadline + 1.0
         assert any("reason=timeout" in ln and f"peer={_peer_id(peers[stalled].public_key)}" in ln for ln in lines)
         for j in alive:
             s, e = bounds[j]
