@@ -12,14 +12,12 @@ import torch
 
 from peer.checkpoint import CheckpointError, NonFiniteState, checkpoint_exists, load_checkpoint, save_checkpoint
 from peer.data import ShardSampler, heldout_batches, load_corpus
-from peer.model import Transformer
-from peer.worker import Worker, evaluate, pick_device
+from peer.worker import Worker, device_options, pick_device
 from protocol.messages_control import (
     LossMeasured,
 )
 
 log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
-CHECKPOINT_FROM_PARAMS = 500_000_000
 
 
 class WorkerStateMixin:
@@ -35,13 +33,7 @@ class WorkerStateMixin:
             torch.cuda.set_per_process_memory_fraction(compute.gpu_memory_fraction, device)
         if self._corpus is None:
             self._corpus = load_corpus(train.data, train.model.vocab_size, self.identity.public_key)
-        # bf16 autocast where the GPU supports it: the inner steps are ~2x faster, and the outer
-        # state (fragments, pseudo-gradients) stays fp32 either way
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        # activation checkpointing where memory, not compute, bounds the model: an accelerator
-        # and a model of CHECKPOINT_FROM_PARAMS or more (the 1b preset on a 24 GB GPU)
-        checkpointing = device.type == "cuda" and train.model.num_params() >= CHECKPOINT_FROM_PARAMS
-        worker = Worker(train, device=device, bf16=bf16, checkpointing=checkpointing)
+        worker = Worker(train, device=device, **device_options(train, device))
         sampler = ShardSampler(self._corpus.train, train.model.seq_len, train.inner.batch_size, train.data.seed,
                                self.identity.public_key)
         rounds = [0] * len(worker.outer)
@@ -98,13 +90,11 @@ class WorkerStateMixin:
             torch.set_num_threads(threads)
 
     def _evaluate(self, worker: Worker) -> float:
-        """Held-out loss of the global model."""
+        """Held-out loss of the global model (in the worker's own model: no second copy)."""
         train = self.signed.manifest.train
-        eval_model = Transformer(train.model).to(worker.device)
-        eval_model.load_state_dict(worker.global_state())
         held = heldout_batches(self._corpus.heldout, train.model.seq_len, train.inner.batch_size,
                                self.cfg.eval_batches)
-        return evaluate(eval_model, held, worker.device)
+        return worker.evaluate_global(held)
 
     def _full_round(self, worker: Worker, last_ckpt: float) -> None:
         # a repair still due is kept until a peer at our rounds was compared with (at the first

@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from peer.simulation import Simulation, SimulationConfig, allreduce
-from peer.worker import Worker, lr_at
+from peer.model import Transformer
+from peer.worker import Worker, evaluate, lr_at
 from protocol.butterfly import bytes_sent, clip_scales, mean_norm_bound, slice_bounds, slice_norm
 from protocol.codecs import get_codec
 from protocol.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, SyncConfig, TrainConfig
@@ -169,3 +170,24 @@ def test_an_honest_clipped_mean_never_exceeds_the_bound_members_check_it_against
         bound = mean_norm_bound([slice_norm(v[s:e]) for i, v in enumerate(vecs) if i != j], 2.0)
         assert slice_norm(mean[s:e]) <= bound
     assert mean_norm_bound([1.0], 0.0) is None  # the plain mean: nothing bounds it
+
+
+def test_evaluating_the_global_model_in_place_matches_a_fresh_copy_and_restores_the_local_weights():
+    w = Worker(make_cfg(SyncConfig(method="diloco", inner_steps=3, fragments=2, overlap=0, alpha=0.5)))
+    for x, y in batches(7, 4):  # local weights move away from the global copies, some of which step
+        w.forward_backward([(x, y)])
+        w.optimizer_step()
+        for p in w.schedule.starts_after(w.step):
+            delta, _ = w.begin_sync(p)
+            w.apply_outer(p, delta * 0.5)
+    local = params(w)
+    held = batches(3, 4, seed=9)
+    fresh = Transformer(MODEL)
+    fresh.load_state_dict(w.global_state())
+    expected = evaluate(fresh, held, torch.device("cpu"))
+    assert not torch.equal(local["tok_emb.weight"], w.global_state()["tok_emb.weight"])  # the test means something
+    assert w.evaluate_global(held) == expected
+    assert all(torch.equal(local[n], p) for n, p in params(w).items())  # bit for bit
+    with pytest.raises(RuntimeError, match="boom"), w.global_weights():  # restored on an error too
+        raise RuntimeError("boom")
+    assert all(torch.equal(local[n], p) for n, p in params(w).items())
