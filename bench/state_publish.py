@@ -1,20 +1,22 @@
 """What serving the global state costs a node at each landing, on CPU (issue 14 item 2).
 
 A node serves the run's global state (every fragment's fp32 global copy and outer momentum) to
-joiners, and publishes it anew at every fragment landing. Two ways, measured in the same run on
-the same worker (its state: 2 x the model in fp32):
+joiners, and publishes it anew at every fragment landing. Each repeat lands one fragment (an
+outer step on it, fragments in turn), then publishes; two ways, on the same worker in the same
+run (its swarm state: 2 x the model in fp32):
 
-- ``loop``: a copy (``snapshot``) on the training thread, then the blob copied and hashed on
-  the node's network event loop (``StateServer.publish``): how it was done;
-- ``thread``: the blob copied straight from the worker's tensors on the training thread
-  (``pack_state``), hashed in a worker thread (``StateServer.publish_packed``): how it is done.
+- ``copy``: a copy of the whole state on the training thread, every chunk hashed in a worker
+  thread (``StateServer.publish_packed``): how it was done before the state was shared;
+- ``shared``: the worker's own tensors (``snapshot(copy=False)``; its fragments copy on write),
+  only the chunks of the fragment that landed hashed: how a node does it.
 
-Per way: the training thread's time, the longest the event loop went without running a
-10 ms ticker (its averaging and every peer's frames wait that long), the time until the new
-state is served, and the peak RSS above the node's before it. Each publish keeps the previous
-state served, so the steady state holds two blobs either way; the peak is what differs.
+Per way: the training thread's time (the outer step and the publish's share of it), the time
+until the new state is served, the longest the event loop went without running a 10 ms ticker,
+the peak RSS above the node's before the landing, and the RSS above it once published (what
+the server holds beyond the swarm state itself; no download is under way, so it holds no
+previous state).
 
-    python bench/state_publish.py --preset 150m --repeats 3
+    python bench/state_publish.py --preset 150m --repeats 4
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="150m", help="model preset (default 150m)")
     ap.add_argument("--fragments", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3, help="publishes per way, alternating")
+    ap.add_argument("--repeats", type=int, default=4, help="landings per way")
     ap.add_argument("--out", help="JSON path (default bench/results/state_publish.json)")
     args = ap.parse_args()
     if args.repeats < 1 or args.fragments < 1:
@@ -81,13 +83,14 @@ def main() -> None:
         raise SystemExit(f"--preset must be one of {', '.join(PRESETS)}")
     train = TrainConfig(model=PRESETS[args.preset], sync=SyncConfig(method="diloco", fragments=args.fragments))
     worker = Worker(train, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
     for frag in worker.outer:  # outer momentum, as after the first outer step
-        frag.opt.state[frag.global_flat]["momentum_buffer"] = torch.randn_like(frag.global_flat)
+        frag.step(torch.randn(frag.numel, generator=gen) * 1e-3)
+    model_mib = 4 * train.model.num_params() / 2**20
     state_mib = sum(2 * f.global_flat.numel() * 4 for f in worker.outer) / 2**20
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    server = StateServer(None, Identity.generate(), b"\1" * 20, chunk_bytes=16 << 20)  # publishing needs no network
     lag = {"max": 0.0}
 
     async def ticker() -> None:
@@ -98,45 +101,63 @@ def main() -> None:
 
     ticking = asyncio.run_coroutine_threadsafe(ticker(), loop)
     rows = []
-    for r in range(args.repeats):
-        for way in ("loop", "thread"):
+    rounds = [1] * args.fragments
+    for way in ("copy", "shared"):
+        # a server per way, so that what one holds does not count against the other
+        server = StateServer(None, Identity.generate(), b"\1" * 20, chunk_bytes=16 << 20)  # no network needed
+        asyncio.run_coroutine_threadsafe(server.publish_packed(pack_state(snapshot(worker, rounds, copy=way == "copy"))),
+                                         loop).result()
+        for r in range(args.repeats):
+            p = r % args.fragments
             gc.collect()
             time.sleep(0.2)
-            worker.step += 1  # another state each time: a new digest, as at a landing
+            base = rss_bytes()
             with Peak() as peak:
                 lag["max"] = 0.0
                 t0 = time.perf_counter()
-                if way == "loop":
-                    state = snapshot(worker, [r + 1] * args.fragments)
-                    coro = server.publish(state)
-                else:
-                    coro = server.publish_packed(pack_state(snapshot(worker, [r + 1] * args.fragments, copy=False)))
+                worker.apply_outer(p, torch.randn(worker.outer[p].numel, generator=gen) * 1e-3)  # a landing
+                rounds[p] += 1
+                packed = pack_state(snapshot(worker, rounds, copy=way == "copy"))
                 trainer_s = time.perf_counter() - t0
-                asyncio.run_coroutine_threadsafe(coro, loop).result()
+                asyncio.run_coroutine_threadsafe(server.publish_packed(packed), loop).result()
                 served_s = time.perf_counter() - t0
-                del coro
-                if way == "loop":
-                    del state
+                del packed
                 time.sleep(0.05)  # a tick after the publish: the lag it caused is recorded
-            rows.append({"way": way, "repeat": r, "trainer_s": trainer_s, "served_s": served_s,
-                         "loop_stall_s": lag["max"], "peak_rss_above_mib": (peak.peak - peak.base) / 2**20})
+            rows.append({"way": way, "repeat": r, "fragment": p, "trainer_s": trainer_s, "served_s": served_s,
+                         "loop_stall_s": lag["max"], "peak_rss_above_mib": (peak.peak - base) / 2**20,
+                         "held_above_mib": (rss_bytes() - base) / 2**20})
+        held = rss_bytes()
+        del server
+        gc.collect()
+        time.sleep(0.2)
+        for row in rows[-args.repeats:]:  # what the server held beyond the swarm state, once published
+            row["server_holds_mib"] = (held - rss_bytes()) / 2**20
     ticking.cancel()
     time.sleep(0.05)
     loop.call_soon_threadsafe(loop.stop)
-    print(f"preset {args.preset}: state (global + outer momentum) {state_mib:.0f} MiB")
-    print_table(rows, [("way", "way", "<6"), ("repeat", "#", ">2d"), ("trainer_s", "training thread s", ">17.3f"),
-                       ("served_s", "served after s", ">14.3f"), ("loop_stall_s", "event loop stall s", ">18.3f"),
-                       ("peak_rss_above_mib", "peak RSS above MiB", ">18.0f")])
+    print(f"preset {args.preset}: fp32 model {model_mib:.0f} MiB; swarm state (global + outer momentum) "
+          f"{state_mib:.0f} MiB = {state_mib / model_mib:.2f}x; {args.fragments} fragments")
+    print_table(rows, [("way", "way", "<6"), ("repeat", "#", ">2d"), ("fragment", "landed", ">6d"),
+                       ("trainer_s", "training thread s", ">17.3f"), ("served_s", "served after s", ">14.3f"),
+                       ("loop_stall_s", "event loop stall s", ">18.3f"),
+                       ("peak_rss_above_mib", "peak RSS above MiB", ">18.0f"),
+                       ("server_holds_mib", "server holds MiB", ">16.0f")])
 
     def worst(way: str, key: str) -> float:
         return max(x[key] for x in rows if x["way"] == way)
 
-    stall_ratio = worst("loop", "loop_stall_s") / max(worst("thread", "loop_stall_s"), 1e-6)
-    peak_ratio = worst("loop", "peak_rss_above_mib") / max(worst("thread", "peak_rss_above_mib"), 1e-6)
-    print(f"worst event-loop stall, loop / thread: {stall_ratio:.1f}x; worst peak RSS above, loop / thread: "
-          f"{peak_ratio:.2f}x")
-    path = write_json(args.out, "state_publish", {"args": vars(args), "state_mib": state_mib, "rows": rows,
-                                                 "stall_ratio": stall_ratio, "peak_rss_ratio": peak_ratio})
+    for way in ("copy", "shared"):
+        total = state_mib + max(0.0, worst(way, "server_holds_mib"))
+        print(f"{way}: swarm state + what the server holds = {total:.0f} MiB = {total / model_mib:.2f}x the fp32 "
+              f"model; worst peak during a landing {state_mib + worst(way, 'peak_rss_above_mib'):.0f} MiB = "
+              f"{(state_mib + worst(way, 'peak_rss_above_mib')) / model_mib:.2f}x")
+    peak_ratio = worst("copy", "peak_rss_above_mib") / max(worst("shared", "peak_rss_above_mib"), 1e-6)
+    served_ratio = worst("copy", "served_s") / max(worst("shared", "served_s"), 1e-6)
+    print(f"worst peak RSS above, copy / shared: {peak_ratio:.2f}x; worst time to serve, copy / shared: "
+          f"{served_ratio:.2f}x")
+    path = write_json(args.out, "state_publish", {"args": vars(args), "model_mib": model_mib,
+                                                 "state_mib": state_mib, "rows": rows, "peak_rss_ratio": peak_ratio,
+                                                 "served_ratio": served_ratio})
     print(f"wrote {path}")
 
 

@@ -389,9 +389,7 @@ def _apply(ckpt: _Verified, worker: Worker, sampler: ShardSampler) -> None:
                     "exp_avg": tensors[f"adam/{i}/exp_avg"].to(p.device),
                     "exp_avg_sq": tensors[f"adam/{i}/exp_avg_sq"].to(p.device)}
         for f, frag in enumerate(worker.outer):
-            frag.global_flat.copy_(tensors[f"global/{f}"])
-            if f"outer_momentum/{f}" in tensors:
-                frag.opt.state[frag.global_flat] = {"momentum_buffer": tensors[f"outer_momentum/{f}"].clone()}
+            frag.load(tensors[f"global/{f}"], tensors.get(f"outer_momentum/{f}"))
     sampler.set_state(tensors["sampler"])
     worker.step, worker.tokens = meta["step"], meta["tokens"]
     worker.tokens_since_sync = list(meta.get("tokens_since_sync", [0] * len(worker.outer)))

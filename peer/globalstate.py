@@ -9,6 +9,7 @@ picks the digest most peers vouch for. No I/O here; ``peer.statesync`` moves the
 
 from __future__ import annotations
 
+import bisect
 import re
 import sys
 from collections.abc import Sequence
@@ -55,8 +56,9 @@ def snapshot(worker: Any, rounds: Sequence[int] | None = None, *, copy: bool = T
     """A copy of ``worker``'s global state (call from the thread that trains it).
 
     ``rounds`` defaults to ``worker.rounds``; a Worker without that attribute must be given it.
-    ``copy=False``: views of the worker's tensors instead, valid until it next trains (to
-    ``pack_state`` them at once, on the same thread: one copy of the state, not two)."""
+    ``copy=False``: the worker's tensors themselves, shared (``OuterFragment.share``): they
+    never change, the fragments take fresh ones at their next change (to serve them with
+    ``pack_state``: no copy of the state at all)."""
     if not worker.outer:
         raise StateSyncError("state sync needs sync.method='diloco' (a ddp worker has no global copy)")
     if rounds is None:
@@ -69,12 +71,10 @@ def snapshot(worker: Any, rounds: Sequence[int] | None = None, *, copy: bool = T
     tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for p, frag in enumerate(worker.outer):
-            g = frag.global_flat.detach()
-            tensors[f"global/{p}"] = g.clone() if copy else g
-            buf = frag.opt.state.get(frag.global_flat, {}).get("momentum_buffer")
-            if buf is not None:
-                m = buf.detach().float().cpu()
-                tensors[f"outer_momentum/{p}"] = m.clone() if copy and m.data_ptr() == buf.data_ptr() else m
+            g, m = frag.share() if not copy else (frag.global_flat.detach().clone(), frag.momentum())
+            tensors[f"global/{p}"] = g
+            if m is not None:
+                tensors[f"outer_momentum/{p}"] = m.clone() if copy else m
     return GlobalState(tensors=tensors, rounds=rounds, step=int(worker.step))
 
 
@@ -107,12 +107,7 @@ def apply(worker: Any, state: GlobalState, *, keep_progress: bool = False) -> No
     progress = [frag.pseudo_gradient() for frag in worker.outer] if keep_progress else None
     with torch.no_grad():
         for p, frag in enumerate(worker.outer):
-            frag.global_flat.copy_(state.tensors[f"global/{p}"])
-            mom = state.tensors.get(f"outer_momentum/{p}")
-            if mom is None:
-                frag.opt.state.pop(frag.global_flat, None)
-            else:
-                frag.opt.state[frag.global_flat] = {"momentum_buffer": mom.detach().clone()}
+            frag.load(state.tensors[f"global/{p}"], state.tensors.get(f"outer_momentum/{p}"))
             frag.merge_into_local(0.0)
             if progress is not None:
                 frag.set_local(frag.global_flat - progress[p])
@@ -135,23 +130,69 @@ def _aligned(n: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PackedState:
-    """A state's blob, its index not computed yet (``pack_state``, then ``index_packed``)."""
+    """A state's blob as it is served (``pack_state``): its header, then each tensor's bytes,
+    read where they lie; its index is computed by ``index_packed``."""
 
-    blob: bytearray | memoryview
+    parts: tuple[memoryview, ...]
+    """The header (padded), then each tensor's bytes in header order. Never changed while the
+    state is served: a fragment's tensors are copied on write (``OuterFragment.share``)."""
+    keys: tuple[Any, ...]
+    """Per part, what identifies its bytes: equal keys, equal bytes (the header's own bytes;
+    a tensor's storage address and in-place version, kept alive by the part's view)."""
     rounds: tuple[int, ...]
     step: int
+    offsets: tuple[int, ...] = ()
+    """Where each part starts in the blob, and where the blob ends."""
+
+    def __post_init__(self) -> None:
+        ends, pos = [0], 0
+        for part in self.parts:
+            pos += len(part)
+            ends.append(pos)
+        object.__setattr__(self, "offsets", tuple(ends))
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[int, memoryview]]:
+        """(part number, view) for the bytes [lo, hi) of the blob, in order."""
+        out = []
+        k = max(0, bisect.bisect_right(self.offsets, lo) - 1)
+        while k < len(self.parts) and self.offsets[k] < hi:
+            a, b = max(lo, self.offsets[k]), min(hi, self.offsets[k + 1])
+            if b > a:
+                out.append((k, self.parts[k][a - self.offsets[k]:b - self.offsets[k]]))
+            k += 1
+        return out
+
+    def read(self, lo: int, hi: int) -> memoryview | bytes:
+        """The bytes [lo, hi) of the blob: a view where they lie in one part, else a copy."""
+        got = self.pieces(lo, min(hi, len(self)))
+        if len(got) == 1:
+            return got[0][1]
+        return b"".join(view for _, view in got)
+
+    def blob(self) -> bytearray:
+        """The whole blob as one copy (what a joiner assembles)."""
+        out = bytearray(len(self))
+        view = memoryview(out)
+        for k, part in enumerate(self.parts):
+            view[self.offsets[k]:self.offsets[k + 1]] = part
+        return out
+
+
+def _tensor_bytes(t: torch.Tensor) -> tuple[memoryview, Any]:
+    """A tensor's elements as little-endian fp32 bytes, and the key of those bytes."""
+    if sys.byteorder == "little":
+        # the view keeps the tensor (its storage) alive, so its address names these bytes
+        return memoryview(t.numpy()).cast("B"), ("tensor", t.data_ptr(), t.numel(), t._version)
+    return memoryview(t.numpy().astype("<f4")).cast("B"), ("copy", id(t))
 
 
 def pack_state(state: GlobalState) -> PackedState:
-    """Copy ``state`` into its blob (see the module docstring): one copy, no hashing. Call it
-    where the tensors cannot change meanwhile (the training thread, for a snapshot's views).
-    The blob's memory comes from torch and is filled by torch, which both leave the GIL free:
-    the event loop goes on meanwhile (a ``bytearray`` of a 1.2 GB state is zeroed holding the
-    GIL for about a second)."""
-    return _pack(state, lambda n: memoryview(torch.empty(n, dtype=torch.uint8).numpy()))
-
-
-def _pack(state: GlobalState, alloc: Any) -> PackedState:
+    """The blob of ``state`` (see the module docstring) as views of its tensors: nothing is
+    copied or hashed. The tensors must not change while it is served: a snapshot's views are
+    shared by their fragments, which copy on their next change (``OuterFragment.share``)."""
     names = sorted(state.tensors)
     arrays = []
     for name in names:
@@ -161,44 +202,55 @@ def _pack(state: GlobalState, alloc: Any) -> PackedState:
                                  "global/<p> or outer_momentum/<p>, 1-D fp32")
         arrays.append(t.detach().cpu().contiguous())
     header = msgpack.packb([[name, int(a.numel())] for name, a in zip(names, arrays)], use_bin_type=True)
-    start = _aligned(4 + len(header))
-    total = start + sum(4 * a.numel() for a in arrays)
-    blob = alloc(total)
-    out = torch.frombuffer(blob, dtype=torch.uint8)
-    out[:start].zero_()  # the padding after the header: part of the digest
-    blob[:4] = len(header).to_bytes(4, "big")
-    blob[4:4 + len(header)] = header
-    pos = start
+    head = bytes(len(header).to_bytes(4, "big") + header).ljust(_aligned(4 + len(header)), b"\0")
+    parts, keys = [memoryview(head)], [head]
     for a in arrays:
-        n = 4 * a.numel()
-        if sys.byteorder == "little":  # torch copies without the GIL
-            out[pos:pos + n].copy_(a.view(torch.uint8))
-        else:
-            blob[pos:pos + n] = memoryview(a.numpy().astype("<f4")).cast("B")
-        pos += n
-    return PackedState(blob, tuple(int(r) for r in state.rounds), int(state.step))
+        view, key = _tensor_bytes(a)
+        parts.append(view)
+        keys.append(key)
+    return PackedState(tuple(parts), tuple(keys), tuple(int(r) for r in state.rounds), int(state.step))
 
 
-def index_packed(packed: PackedState, run_id: bytes, chunk_bytes: int) -> StateIndex:
-    """The index of a packed state: one SHA-256 pass over the blob (hashlib releases the GIL,
-    so another thread may run it while the event loop goes on)."""
-    total = len(packed.blob)
+def index_packed(packed: PackedState, run_id: bytes, chunk_bytes: int,
+                 reuse: tuple[PackedState, StateIndex] | None = None) -> StateIndex:
+    """The index of a packed state: a SHA-256 pass over its chunks (hashlib releases the GIL,
+    so another thread may run it while the event loop goes on). ``reuse``: a state published
+    before, with its index; a chunk whose parts are the same bytes at the same places keeps its
+    digest, so a landing hashes only the fragment that changed."""
+    total = len(packed)
     # more chunks than an index may list: grow them, the same way on every peer
     size = max(chunk_bytes, -(-total // MAX_STATE_CHUNKS))
     if size > MAX_CHUNK_BYTES:
         raise StateSyncError(f"a state of {total} bytes is too large to sync (over {MAX_STATE_CHUNKS} chunks "
                              f"of {MAX_CHUNK_BYTES} bytes)")
-    view = memoryview(packed.blob)
-    digests = tuple(sha256(view[o:o + size]) for o in range(0, total, size))
+    old = None
+    if reuse is not None:
+        was, was_index = reuse
+        if (was.offsets == packed.offsets and was_index.chunk_bytes == size and was_index.format == FORMAT
+                and was_index.run_id == run_id):
+            old = (was, was_index)
+    digests = []
+    for o in range(0, total, size):
+        pieces = packed.pieces(o, o + size)
+        if old is not None and all(old[0].keys[k] == packed.keys[k] for k, _ in pieces):
+            digests.append(old[1].chunk_digests[o // size])
+        else:
+            digests.append(sha256(*(view for _, view in pieces)))
     return StateIndex(run_id=run_id, step=packed.step, rounds=packed.rounds, format=FORMAT,
-                      total_bytes=total, chunk_bytes=size, chunk_digests=digests)
+                      total_bytes=total, chunk_bytes=size, chunk_digests=tuple(digests))
+
+
+def packed_blob(blob: bytes | bytearray | memoryview, rounds: Sequence[int], step: int) -> PackedState:
+    """A blob already assembled (``encode_state``), as a ``PackedState`` of one part."""
+    view = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob
+    return PackedState((view,), (("blob", id(blob)),), tuple(int(r) for r in rounds), int(step))
 
 
 def encode_state(state: GlobalState, run_id: bytes, chunk_bytes: int) -> tuple[StateIndex, bytearray]:
     """The state's index and blob (see the module docstring); deterministic. Costs about one
     SHA-256 pass and one copy of the state (~1 s per GB)."""
-    packed = _pack(state, bytearray)
-    return index_packed(packed, run_id, chunk_bytes), packed.blob  # type: ignore[return-value]
+    packed = pack_state(state)
+    return index_packed(packed, run_id, chunk_bytes), packed.blob()
 
 
 def index_digest(index: StateIndex) -> bytes:

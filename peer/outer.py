@@ -18,6 +18,17 @@ import torch
 from protocol.config import OuterConfig
 
 
+_NORM_CHUNK = 1 << 20
+
+
+def _norm64(t: torch.Tensor) -> float:
+    """The L2 norm of a 1-D tensor, accumulated in float64 a chunk at a time (a whole float64
+    copy of a 1b fragment would be gigabytes)."""
+    squares = sum(float(torch.linalg.vector_norm(t[i:i + _NORM_CHUNK], dtype=torch.float64)) ** 2
+                  for i in range(0, t.numel(), _NORM_CHUNK))
+    return squares ** 0.5
+
+
 class OuterFragment:
     def __init__(self, params: list[torch.nn.Parameter], cfg: OuterConfig):
         self.params = params
@@ -37,6 +48,42 @@ class OuterFragment:
         """delta = theta_global - theta_local, (N,) fp32: what this worker contributes."""
         return self.global_flat - self.local_flat()
 
+    _shared: bool = False
+
+    def momentum(self) -> torch.Tensor | None:
+        """The outer momentum buffer (None before the first outer step)."""
+        return self.opt.state.get(self.global_flat, {}).get("momentum_buffer")
+
+    def share(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The global copy and momentum buffer themselves, to be read elsewhere (a state server
+        serves and hashes them) while this fragment goes on. They are never changed again:
+        the fragment's next change copies them first (copy on write), so sharing costs no
+        memory until then, and then one fragment's worth while the reader holds the old."""
+        self._shared = True
+        m = self.momentum()
+        return self.global_flat.detach(), None if m is None else m.detach()
+
+    @torch.no_grad()
+    def _own(self) -> None:
+        """Before an in-place change: fresh tensors where the current ones are shared."""
+        if not self._shared:
+            return
+        self.global_flat.set_(self.global_flat.clone())  # the same tensor (the optimizer's key), new memory
+        state = self.opt.state.get(self.global_flat)
+        if state and state.get("momentum_buffer") is not None:
+            state["momentum_buffer"] = state["momentum_buffer"].clone()
+        self._shared = False
+
+    @torch.no_grad()
+    def load(self, global_flat: torch.Tensor, momentum: torch.Tensor | None) -> None:
+        """global copy <- ``global_flat``; momentum <- a copy of ``momentum`` (None: cleared)."""
+        self._own()
+        self.global_flat.copy_(global_flat)
+        if momentum is None:
+            self.opt.state.pop(self.global_flat, None)
+        else:
+            self.opt.state[self.global_flat] = {"momentum_buffer": momentum.detach().to(torch.float32).clone()}
+
     largest_update_norm: float = 0.0
     """At most how far (L2) one outer step of this process moved the global copy (0 before the
     first): the scale against which a downloaded state's distance is judged."""
@@ -47,6 +94,7 @@ class OuterFragment:
         if avg_delta.shape != self.global_flat.shape:
             raise ValueError(f"averaged delta has shape {tuple(avg_delta.shape)}, expected {tuple(self.global_flat.shape)}")
         grad = avg_delta.to(torch.float32)
+        self._own()
         self.global_flat.grad = grad
         self.opt.step()
         self.global_flat.grad = None
@@ -54,9 +102,9 @@ class OuterFragment:
         # by lr * (g + m * buf) with Nesterov, lr * buf with plain momentum, lr * g without
         group = self.opt.param_groups[0]
         lr, m = group["lr"], group["momentum"]
-        g = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
-        buf = self.opt.state.get(self.global_flat, {}).get("momentum_buffer")
-        b = 0.0 if buf is None else float(torch.linalg.vector_norm(buf, dtype=torch.float64))
+        g = _norm64(grad)
+        buf = self.momentum()
+        b = 0.0 if buf is None else _norm64(buf)
         moved = lr * (g + m * b if group["nesterov"] else b if m > 0 else g)
         self.largest_update_norm = max(self.largest_update_norm, moved)
 
@@ -84,6 +132,7 @@ class OuterFragment:
         return {"global_flat": self.global_flat.detach().clone(), "opt": self.opt.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        self._own()
         with torch.no_grad():
             self.global_flat.copy_(state["global_flat"])
         self.opt.load_state_dict(state["opt"])

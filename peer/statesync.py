@@ -38,11 +38,16 @@ overhead), and every read and write has a deadline.
 
 Donor (``StateServer``)
 -----------------------
-``publish`` encodes a snapshot and keeps it as the current state, and the one before it as the
-previous (a node uses ``publish_packed``: the blob copied where the model trains, its
-chunks hashed in a worker thread, so the event loop that averages never waits on a large
-state), so a download that started just before a round landed still completes. It answers
-``RequestStateIndex`` with the current index and ``RequestStateChunk`` for either state; an
+``publish`` keeps a snapshot as the current state, and the one before it as the previous
+while a download may be of it (a session is open, or a joiner asked for it within
+``idle_timeout_s``), so a download that started just before a round landed still completes.
+Nothing is copied: chunks are read where the tensors lie (``pack_state``), and a node
+publishes the worker's own tensors, which its fragments copy on write (``OuterFragment.share``):
+serving costs no memory beyond the swarm state itself (2x the fp32 model) but, while the
+previous state is kept, the fragment that changed. A node uses ``publish_packed``: chunks are
+hashed in a worker thread, so the event loop that averages never waits on a large state, and
+only chunks that differ from the state served now are hashed (a landing changes one
+fragment). It answers ``RequestStateIndex`` with the current index and ``RequestStateChunk`` for either state; an
 unknown digest or chunk gets ``Rejected("not_found")``. At most ``max_concurrent`` sessions are
 served at once; a session beyond that gets ``Rejected("busy")`` to its first request and is
 closed. A session idle for ``idle_timeout_s`` is closed. A request that fails verification (bad
@@ -77,6 +82,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,7 +99,7 @@ from protocol.messages_swarm import Rejected, RequestStateChunk, RequestStateInd
 
 from peer.globalstate import (  # noqa: F401  (re-exported: the state and its format live there)
     FORMAT, MAX_CHUNK_BYTES, GlobalState, PackedState, StateSyncError, apply, choose_digest, decode_state, encode_state,
-    index_digest, index_packed, pack_state, snapshot,
+    index_digest, index_packed, pack_state, packed_blob, snapshot,
 )
 
 log = logging.getLogger(__name__)
@@ -157,9 +163,11 @@ def _short(peer_id: str) -> str:
 class _Published:
     digest: bytes
     index: StateIndex
-    blob: bytearray | memoryview
-    """Never changed once published (chunks are served as views into it)."""
+    packed: PackedState
+    """Never changed once published (chunks are served as views into it where they can be)."""
     sealed_index: bytes
+    asked_at: float = -math.inf
+    """When a joiner last asked for its index or a chunk of it (time.monotonic)."""
 
 
 @dataclass(slots=True)
@@ -207,27 +215,41 @@ class StateServer:
         await self.p2p.add_binary_stream_handler(self.name, self._handle)
 
     async def publish(self, state: GlobalState) -> bytes:
-        """Serve ``state`` from now on (the previous one stays available); returns its digest.
-        Copies and hashes on the calling loop: for a large model, ``pack_state`` where the
-        model trains and ``publish_packed`` here instead."""
-        return self.publish_encoded(*encode_state(state, self.run_id, self.chunk_bytes))
+        """Serve ``state`` from now on; returns its digest. Hashes on the calling loop: a node
+        uses ``publish_packed``."""
+        packed = pack_state(state)
+        return self._publish(index_packed(packed, self.run_id, self.chunk_bytes, self._reuse()), packed)
 
     async def publish_packed(self, packed: PackedState) -> bytes:
-        """``publish`` for a state already copied into its blob (``pack_state``): its chunks
-        are hashed in a worker thread, so the event loop (this node's averaging) never waits on
-        them (a 150m-parameter state is 1.2 GB). Publishes in the order called."""
+        """``publish`` for a state packed where it cannot change (``pack_state`` of a shared
+        ``snapshot``): its chunks are hashed in a worker thread, so the event loop (this node's
+        averaging) never waits on them, and only the chunks that differ from the state served
+        now are hashed (a landing changes one fragment). Publishes in the order called."""
         async with self._publish_order:
-            index = await asyncio.to_thread(index_packed, packed, self.run_id, self.chunk_bytes)
-            return self.publish_encoded(index, packed.blob)
+            index = await asyncio.to_thread(index_packed, packed, self.run_id, self.chunk_bytes, self._reuse())
+            return self._publish(index, packed)
 
     def publish_encoded(self, index: StateIndex, blob: bytearray | memoryview) -> bytes:
         """``publish`` for a state already encoded by ``encode_state`` (call on the loop)."""
         if index.run_id != self.run_id or len(blob) != index.total_bytes:
             raise ValueError("the encoded state belongs to another run or does not match its index")
+        return self._publish(index, packed_blob(blob, index.rounds, index.step))
+
+    def _wanted(self, pub: _Published) -> bool:
+        """A download may be of ``pub``: a session is open, or a joiner asked for it lately (a
+        joiner reads the index on one session, then opens others for the chunks)."""
+        return self._active > 0 or time.monotonic() - pub.asked_at < self.idle_timeout_s
+
+    def _reuse(self) -> tuple[PackedState, StateIndex] | None:
+        return None if self._current is None else (self._current.packed, self._current.index)
+
+    def _publish(self, index: StateIndex, packed: PackedState) -> bytes:
         d = index_digest(index)
         if self._current is None or self._current.digest != d:
-            self._previous = self._current
-            self._current = _Published(d, index, blob, seal(index, self.identity))
+            # the state before stays served while a download may be of it; else it is let go
+            # (the fragment that changed is the only memory it holds beyond the current one)
+            self._previous = self._current if self._current is not None and self._wanted(self._current) else None
+            self._current = _Published(d, index, packed, seal(index, self.identity))
             log.info("state published digest=%s bytes=%d chunks=%d step=%d", d.hex()[:12], index.total_bytes,
                      len(index.chunk_digests), index.step)
         return d
@@ -277,6 +299,8 @@ class StateServer:
         finally:
             if serving:
                 self._active -= 1
+                if self._previous is not None and not self._wanted(self._previous):
+                    self._previous = None  # nobody downloads it
             if task is not None:
                 self._tasks.discard(task)
             _close(writer)
@@ -308,17 +332,19 @@ class StateServer:
         if isinstance(msg, RequestStateIndex):
             if self._current is None:
                 return self._reject(int(msg.TAG), "not_found", "no state published yet")
+            self._current.asked_at = time.monotonic()
             return [self._current.sealed_index]
         assert isinstance(msg, RequestStateChunk)
         pub = next((p for p in (self._current, self._previous) if p is not None and p.digest == msg.index_digest),
                    None)
         if pub is None:
             return self._reject(int(msg.TAG), "not_found", f"state {msg.index_digest.hex()[:12]} is not held here")
+        pub.asked_at = time.monotonic()
         count = len(pub.index.chunk_digests)
         if msg.chunk >= count:
             return self._reject(int(msg.TAG), "not_found", f"chunk {msg.chunk} of a state of {count} chunks")
         size = pub.index.chunk_bytes
-        payload: bytes | bytearray | memoryview = memoryview(pub.blob)[msg.chunk * size:(msg.chunk + 1) * size]
+        payload: bytes | bytearray | memoryview = pub.packed.read(msg.chunk * size, (msg.chunk + 1) * size)
         if msg.chunk in self.corrupt_chunks:
             payload = bytearray(payload)
             payload[0] ^= 1
@@ -448,9 +474,10 @@ async def current_indexes(p2p: P2P, identity: Identity, run_id: bytes, donors: l
     """Ask each donor, concurrently, for the index of the state it serves now: peer ID ->
     (digest, index), for the donors that answered with a valid signed index in time.
 
-    Heartbeats vouch for a digest with a delay of up to one heartbeat interval, and a donor
-    keeps only its two latest states; in a swarm whose rounds are shorter than that, the
-    vouched digest is often gone. The signed indexes the donors return are announcements
+    Heartbeats vouch for a digest with a delay of up to one heartbeat interval (and are read
+    up to one more interval late), and a donor keeps the state before its latest only while a
+    download may be of it; in a swarm whose rounds are shorter than that, the vouched digest is
+    often gone. The signed indexes the donors return are announcements
     too, so a digest served by two or more of them is as well vouched for."""
     name = handler_name(run_id)
 

@@ -34,7 +34,7 @@ def pick_device(name: str = "auto") -> torch.device:
     """``auto`` picks CUDA, then Apple MPS, then CPU; otherwise the named device."""
     if name == "auto":
         if torch.cuda.is_available():
-            return torch.device("cuda")
+            return torch.device("cuda", torch.cuda.current_device())
         if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
@@ -44,6 +44,12 @@ def pick_device(name: str = "auto") -> torch.device:
         raise ConfigError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' asked for but torch sees no CUDA GPU; use --device cpu or install a CUDA build of torch")
+    if dev.type == "cuda":
+        if dev.index is None:  # an index: torch.cuda's per-device calls (the memory cap) want one
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name!r} asked for but torch sees {torch.cuda.device_count()} CUDA GPU(s); "
+                              "use cuda:0 or auto")
     if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise ConfigError("device 'mps' asked for but it is not available on this machine; use --device cpu")
     return dev

@@ -4,6 +4,7 @@ copy (averaged alone or cut off), and serves its own state to others."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 
@@ -20,6 +21,7 @@ from protocol.identity import peer_id_from_public_key
 log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
 
 REPAIR_TRIES = 5  # checks at which a repair looks for donors at our rounds before it takes their next landing
+ASKED_AT_JOIN = 8  # peers asked for the state they serve when heartbeats show nobody ahead of us
 DIGEST_HISTORY = 16  # of our latest landings whose digests a repair compares peers' heartbeats with
 
 
@@ -44,6 +46,13 @@ class CatchUpMixin:
         lag = 1 if joining or not self._caught_up or self._repair_due else 2
         ahead = {k: hb.state_digest for k, hb in peers.items()
                  if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
+        if joining and not ahead:
+            # a heartbeat is up to two intervals old, and vouches for the last state its peer had
+            # finished publishing: it may be rounds behind its peer (after a pause, the run went
+            # on), so ask the peers furthest on what they serve now
+            latest = sorted((k for k, hb in peers.items() if hb.state_digest),
+                            key=lambda k: -min(peers[k].rounds, default=0))[:ASKED_AT_JOIN]
+            ahead = self._served_ahead(swarm, latest, mine + lag)
         # any key can claim to be ahead: believe two peers vouching for one state, or the run's
         # creator; one peer alone only in a swarm of two (globalstate.vouchers_needed). The
         # view counts peers whose heartbeat is still fresh: a short DHT read under load must not
@@ -61,7 +70,9 @@ class CatchUpMixin:
             return
         if joining and not ahead:
             self._caught_up = True  # nobody is ahead of us: we start in step with the swarm
-        self._harvest_published()
+        # a repair compares the digest of the copy we hold: wait for its publish (a landing
+        # hashes one fragment; a lone landing after it would leave that digest behind unread)
+        self._harvest_published(wait_s=swarm.state_chunk_timeout_s if self._repair_due else 0.0)
         if not (self._digests and self._repair_due):
             return  # peers in other groups differ from us by design; their averages mix next rounds
         # compare each peer at the rounds its heartbeat shows, if we passed them since we went
@@ -95,6 +106,22 @@ class CatchUpMixin:
         # out of step with them for that long: take their next landing, start before their next sync
         self._repair_due, self._repair_tries = False, 0
         self._download(swarm, sorted(differ), peers, fast_forward=True, min_donors=1)
+
+    def _served_ahead(self, swarm, keys: list[bytes], at_least: int) -> dict[bytes, bytes]:
+        """Of the peers ``keys``, those that serve a state at round ``at_least`` or later now:
+        public key -> the digest of the state (their signed index vouches for it)."""
+        if not keys:
+            return {}
+        by_id = {peer_id_from_public_key(k): k for k in keys}
+        try:
+            served = self.net.call(current_indexes(self.net.p2p, self.identity, self.run_id, list(by_id),
+                                                   timeout_s=swarm.state_chunk_timeout_s),
+                                   timeout=swarm.state_chunk_timeout_s + 10)
+        except NetworkError as e:
+            log.info("could not ask peers for their state reason=%s", e)
+            return {}
+        return {by_id[donor]: digest for donor, (digest, index) in served.items()
+                if donor in by_id and min(index.rounds, default=0) >= at_least}
 
     def _current_state(self, swarm, donors: list[str], newer_than: tuple[int, ...] | None = None,
                        wait_s: float = 0.0, min_donors: int = 2) -> tuple[bytes, list[str], tuple[int, ...]]:
@@ -213,7 +240,8 @@ class CatchUpMixin:
         (and digests) at each landing; a joiner gets the swarm's newest state, not the last
         full round's."""
         self._harvest_published()
-        # one copy of the state, made here where nothing changes it; hashed off the event loop
+        # the worker's own tensors, shared (its fragments copy on write): no copy of the state;
+        # the chunks that changed are hashed off the event loop
         packed = pack_state(snapshot(worker, self.stats.rounds, copy=False))
         self._publishing.append((tuple(self.stats.rounds), self._lineage,
                                  self.net.submit(self.state_server.publish_packed(packed))))
@@ -225,9 +253,12 @@ class CatchUpMixin:
         self._digests.clear()
         self._repair_tries = 0  # a repair due compares this copy afresh
 
-    def _harvest_published(self) -> None:
+    def _harvest_published(self, wait_s: float = 0.0) -> None:
         """Take the digests of the states we published, in order, as far as they are served:
-        every landing's digest goes into ``_digests`` (a repair compares at any of them)."""
+        every landing's digest goes into ``_digests`` (a repair compares at any of them).
+        ``wait_s``: first wait up to that long for the publishes under way."""
+        if wait_s > 0 and self._publishing:
+            concurrent.futures.wait([fut for _, _, fut in self._publishing], timeout=wait_s)
         while self._publishing and self._publishing[0][2].done():
             rounds, lineage, fut = self._publishing.pop(0)
             try:

@@ -218,10 +218,10 @@ def test_apply_keeping_progress_moves_what_was_trained_onto_the_new_copy_and_kee
         assert torch.allclose(frag.pseudo_gradient(), before[p], atol=1e-6)
 
 
-def test_a_packed_state_is_published_off_the_loop_in_order_with_the_digest_publish_gives():
-    """The node packs the worker's tensors on its training thread (views, one copy) and the
-    server hashes them in a thread: the same digest as ``publish`` of a copy, and publishes
-    land in the order they were asked for even when the first takes longer to hash."""
+def test_a_shared_state_is_published_off_the_loop_in_order_with_the_digest_of_a_copy():
+    """The node publishes the worker's own tensors (no copy) and the server hashes them in a
+    thread: the same digest as a copy's, while the worker trains on (its fragments copy on
+    write), and publishes land in the order they were asked for."""
     import asyncio
 
     from peer.globalstate import pack_state
@@ -231,7 +231,7 @@ def test_a_packed_state_is_published_off_the_loop_in_order_with_the_digest_publi
     w = trained_worker(0)
     expected = index_digest(encode_state(snapshot(w, rounds=[2, 2]), RUN, 1000)[0])
     packed = pack_state(snapshot(w, rounds=[2, 2], copy=False))
-    w.outer[0].global_flat.add_(1.0)  # the worker trains on: the packed blob is a copy
+    w.apply_outer(0, torch.full((w.outer[0].numel,), 0.5))  # the worker trains on: the shared tensors stay
     small = pack_state(snapshot(Worker(CFG), rounds=[0, 0]))
 
     async def go() -> tuple[bytes, bytes, bytes]:
@@ -241,3 +241,78 @@ def test_a_packed_state_is_published_off_the_loop_in_order_with_the_digest_publi
 
     first, second, current = asyncio.run(go())
     assert first == expected and current == second != first
+
+
+def test_fragments_copy_on_write_only_what_is_shared():
+    w = trained_worker(0)
+    frag = w.outer[0]
+    address = frag.global_flat.data_ptr()
+    frag.step(torch.full((frag.numel,), 0.1))
+    assert frag.global_flat.data_ptr() == address  # nothing shared: stepped in place
+    g, m = frag.share()
+    before_g, before_m = g.clone(), m.clone()
+    frag.step(torch.full((frag.numel,), 0.1))
+    assert frag.global_flat.data_ptr() != address and not torch.equal(frag.global_flat, before_g)
+    assert torch.equal(g, before_g) and torch.equal(m, before_m)  # the shared ones never change
+    assert frag.momentum() is not m
+    again = frag.global_flat.data_ptr()
+    frag.step(torch.full((frag.numel,), 0.1))  # owned again: in place
+    assert frag.global_flat.data_ptr() == again
+    g2, _ = frag.share()
+    kept = g2.clone()
+    apply(w, snapshot(trained_worker(1), rounds=[1, 1]))  # a download copies on write too
+    assert torch.equal(g2, kept) and not torch.equal(frag.global_flat, kept)
+
+
+def test_a_landing_rehashes_only_the_chunks_of_the_fragment_that_changed():
+    from peer.globalstate import index_packed, pack_state
+
+    w = trained_worker(0)
+    first = pack_state(snapshot(w, rounds=[2, 2], copy=False))
+    index = index_packed(first, RUN, 1000)
+    w.apply_outer(1, torch.full((w.outer[1].numel,), 0.5))
+    second = pack_state(snapshot(w, rounds=[2, 3], copy=False))
+    reused = index_packed(second, RUN, 1000, reuse=(first, index))
+    fresh = index_packed(second, RUN, 1000)
+    assert reused == fresh  # the same index as hashing everything
+    size = index.chunk_bytes
+    same = sum(a == b for a, b in zip(index.chunk_digests, reused.chunk_digests))
+    changed = {k for k in range(1, len(second.parts)) if first.keys[k] != second.keys[k]}
+    assert changed == {2, 4}  # global/1 and outer_momentum/1 (part 0 is the header)
+    touched = {o // size for k in changed for o in range(second.offsets[k] // size * size, second.offsets[k + 1], size)}
+    assert same == len(index.chunk_digests) - len(touched) > 0
+    # served chunks are the blob's bytes, also where a chunk spans two tensors
+    blob = second.blob()
+    assert all(bytes(second.read(o, o + size)) == blob[o:o + size] for o in range(0, len(blob), size))
+    assert decode_state(fresh, blob).tensors["global/1"].equal(w.outer[1].global_flat)
+
+
+def test_the_previous_state_is_served_only_while_downloads_are_under_way():
+    import asyncio
+
+    from protocol.identity import Identity
+    from protocol.messages_swarm import Rejected, RequestStateChunk, RequestStateIndex, StateChunk
+    from protocol.envelope import verify
+
+    from peer.statesync import StateServer
+
+    def ask(server, digest: bytes):
+        parts = server._answer(RequestStateChunk(run_id=RUN, index_digest=digest, chunk=0))
+        return type(verify(b"".join(bytes(p) for p in parts)).message)
+
+    async def go():
+        server = StateServer(None, Identity.generate(), RUN, chunk_bytes=1000)
+        old = await server.publish(snapshot(trained_worker(0), rounds=[1, 1]))
+        server._active = 1  # a download is under way (a session is open)
+        new = await server.publish(snapshot(trained_worker(1), rounds=[2, 2]))
+        kept = ask(server, old), ask(server, new)
+        server._active = 0
+        server._answer(RequestStateIndex(run_id=RUN))  # a joiner read the index: it will ask for chunks
+        latest = await server.publish(snapshot(trained_worker(2), rounds=[3, 3]))
+        asked = ask(server, new)
+        server._current.asked_at -= 2 * server.idle_timeout_s  # nobody asked for a while: let go
+        await server.publish(snapshot(trained_worker(3), rounds=[4, 4]))
+        return kept, asked, ask(server, latest)
+
+    kept, asked, dropped = asyncio.run(go())
+    assert kept == (StateChunk, StateChunk) and asked is StateChunk and dropped is Rejected
