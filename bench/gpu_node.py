@@ -4,8 +4,9 @@
 Starts N real nodes (``python -m peer.node``, as ``swarmstream demo`` does) on one machine with
 ``--device cuda`` (or another device), lets them average a few rounds, then pauses peer 0
 through its control socket and reads the GPU memory each node process holds (nvidia-smi) before
-the pause, while paused, and after it resumed. Checks that the peers' global copies agree at
-the end. Prints a table and writes JSON (machine, commit).
+the pause, while paused, and after it resumed (with ``--gpus N``, each node is N processes,
+one per GPU, and the memory is the most one of them holds). Checks that the peers' global
+copies agree at the end. Prints a table and writes JSON (machine, commit).
 
     python bench/gpu_node.py --device cuda --preset 150m --peers 2 --rounds 3
 
@@ -52,6 +53,28 @@ def gpu_memory_mib() -> dict[int, int]:
     return mem
 
 
+def tree(pid: int) -> set[int]:
+    """``pid`` and its descendants (a node with --gpus N is torchrun and its N processes)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        out.add(p)
+        todo += children.get(p, [])
+    return out
+
+
+def per_gpu(mem: dict[int, int], pid: int) -> int:
+    """The most GPU memory one process of the node at ``pid`` holds (one process per GPU), -1 if none."""
+    return max((mem[p] for p in tree(pid) if p in mem), default=-1)
+
+
 def wait_for(pred, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -77,6 +100,7 @@ def main() -> int:
                     "GPU memory (0: no cap)")
     ap.add_argument("--steps", type=int, default=10, help="--no-swarm: timed inner steps")
     ap.add_argument("--fragments", type=int, default=2)
+    ap.add_argument("--gpus", type=int, default=1, help="processes (GPUs) per node (peer.node --gpus)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     return one_worker(args) if args.no_swarm else swarm(args)
@@ -107,7 +131,8 @@ def swarm(args: argparse.Namespace) -> int:
             with lock:
                 synced.append((time.monotonic(), i, ev))
 
-    demo = Demo(args.peers, rounds=None, workdir=work, on_event=on_event, manifest=manifest, device=args.device)
+    demo = Demo(args.peers, rounds=None, workdir=work, on_event=on_event, manifest=manifest, device=args.device,
+                args={i: ["--gpus", str(args.gpus)] for i in range(args.peers)} if args.gpus > 1 else None)
     t0 = time.monotonic()
     demo.start()
     sock = demo.control_path(0)
@@ -142,15 +167,17 @@ def swarm(args: argparse.Namespace) -> int:
         st = statuses[i]
         rows.append({
             "peer": i, "device": st.device, "tokens_per_s": st.tokens_per_s, "step_ms": st.inner_step_s * 1e3,
-            "mem_training_mib": mem_training.get(pid, -1), "mem_paused_mib": mem_paused.get(pid, -1) if i == 0 else -1,
-            "mem_resumed_mib": mem_resumed.get(pid, -1), "rounds": demo.summaries.get(i, {}).get("rounds", -1),
+            "gpus": args.gpus, "mem_training_mib": per_gpu(mem_training, pid),
+            "mem_paused_mib": per_gpu(mem_paused, pid) if i == 0 else -1,
+            "mem_resumed_mib": per_gpu(mem_resumed, pid), "rounds": demo.summaries.get(i, {}).get("rounds", -1),
             "heldout": demo.summaries.get(i, {}).get("heldout_loss", float("nan")),
         })
     print(f"{args.peers} nodes, preset {args.preset} ({train.model.num_params():,} params), device {args.device}, "
           f"batch {args.batch_size}x{train.model.seq_len}, H={args.inner_steps}; wall {wall:.0f} s; "
           f"global copies agree: {summary['global_copies_agree']}; paused device: {paused.device!r}")
-    print_table(rows, [("peer", "peer", "d"), ("device", "device", "s"), ("tokens_per_s", "tokens/s", ",.0f"),
-                       ("step_ms", "step ms", ".1f"), ("mem_training_mib", "MiB training", "d"),
+    print_table(rows, [("peer", "peer", "d"), ("device", "device", "s"), ("gpus", "GPUs", "d"),
+                       ("tokens_per_s", "tokens/s", ",.0f"),
+                       ("step_ms", "step ms", ".1f"), ("mem_training_mib", "MiB/GPU training", "d"),
                        ("mem_paused_mib", "MiB paused", "d"), ("mem_resumed_mib", "MiB resumed", "d"),
                        ("rounds", "rounds", "d"), ("heldout", "held-out", ".4f")])
     out = write_json(args.out, "gpu_node", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,

@@ -14,6 +14,7 @@ with one line that names the key and what to do, and is never overwritten by a p
     cpu_threads = 0              # torch threads on CPU (0: torch's default)
     duty_cycle = 1.0             # share of the time spent training (0.05-1): below 1 the node
                                  # rests after each inner step (0.5: as long as the step took)
+    gpus = 1                     # processes to train on, one per GPU (torch.distributed; at start)
 
     [network]
     max_upload_mbps = 0.0        # caps on the averaging streams, megabits per second (0: none)
@@ -87,6 +88,7 @@ class ComputeSettings:
     max_batch_size: int = 0
     cpu_threads: int = 0
     duty_cycle: float = 1.0
+    gpus: int = 1
 
     def __post_init__(self) -> None:
         _check(isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None,
@@ -97,6 +99,8 @@ class ComputeSettings:
         _check(0 <= self.cpu_threads <= 1024, f"compute.cpu_threads must be in [0, 1024], got {self.cpu_threads}")
         _check(0.05 <= self.duty_cycle <= 1.0,
                f"compute.duty_cycle must be in [0.05, 1.0], got {self.duty_cycle}")
+        _check(isinstance(self.gpus, int) and not isinstance(self.gpus, bool) and 1 <= self.gpus <= 64,
+               f"compute.gpus must be an integer in [1, 64], got {self.gpus!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -203,6 +203,8 @@ def _start_node(args: argparse.Namespace, what: str, run_id: bytes, *, address: 
     identity = args.identity or paths.identity_path()
     data_dir = args.data_dir or paths.data_dir() / "runs"  # beside the key, in the data dir
     extra = ["--initial-peers", *args.initial_peers] + (["--device", args.device] if args.device else [])
+    if args.gpus is not None:
+        extra += ["--gpus", str(args.gpus)]
     if args.rounds is not None:
         extra += ["--rounds", str(args.rounds)]
     verb = "hosting" if manifest is not None else "joining"
@@ -345,6 +347,8 @@ def add_swarm_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR")
     p.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", help="listen multiaddr (default all interfaces)")
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N, mps (default: your settings)")
+    p.add_argument("--gpus", type=int, help="train on N GPUs of this machine (default: your settings' "
+                                            "compute.gpus, 1)")
     p.add_argument("--identity", type=Path, help="key file (default: your swarmstream identity)")
     p.add_argument("--data-dir", type=Path, help="checkpoint folder (default: your swarmstream data dir)")
     p.set_defaults(func=cmd_join)
@@ -363,6 +367,8 @@ def add_swarm_parsers(sub: argparse._SubParsersAction) -> None:
                    help="listen multiaddr; a fixed port keeps the address valid across restarts "
                         "(default %(default)s)")
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N, mps (default: your settings)")
+    p.add_argument("--gpus", type=int, help="train on N GPUs of this machine (default: your settings' "
+                                            "compute.gpus, 1)")
     p.add_argument("--identity", type=Path, help="key file (default: your swarmstream identity)")
     p.add_argument("--data-dir", type=Path, help="checkpoint folder (default: your swarmstream data dir)")
     p.set_defaults(func=cmd_host)

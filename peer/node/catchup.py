@@ -216,6 +216,8 @@ class CatchUpMixin:
                 log.info("left the forming group of fragment %d round %d: the download moved us past it",
                          f.fragment, f.round)
         apply(worker, state, keep_progress=not fast_forward)
+        if hasattr(worker, "sync_replicas"):
+            worker.sync_replicas()  # the other processes of a multi-device node take the new weights
         self.stats.rounds = list(state.rounds)
         self._new_lineage()
         self.state_digest, self.state_rounds = digest, tuple(state.rounds)

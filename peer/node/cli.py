@@ -63,11 +63,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait-for-confirm", action="store_true",
                     help="start paused until the volunteer confirms in the dashboard (first run)")
     ap.add_argument("--eval-every", type=int, default=1, help="held-out loss every N full rounds (0: never)")
+    ap.add_argument("--gpus", type=int, help="processes to train on, one per GPU (on CPU, gloo processes); "
+                                             "default: the settings file's compute.gpus (1)")
     ap.add_argument("--log-level")
     args = ap.parse_args(argv)
     init_logging(args.log_level)
     try:
-        return _run_node(args)
+        settings = _settings(args)
+        device = args.device or (settings.compute.device if settings else "auto")
+        processes = args.gpus if args.gpus is not None else (settings.compute.gpus if settings else 1)
+        if not 1 <= processes <= 64:
+            raise ConfigError(f"--gpus must be in 1..64, got {processes}")
+        from peer.node import replicas
+
+        if processes > 1 and not replicas.under_torchrun():
+            # the same node as a torch.distributed group, started the standard way (torchrun)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            cmd = replicas.torchrun_command(processes, list(sys.argv[1:] if argv is None else argv))
+            os.execv(cmd[0], cmd)
+        if replicas.under_torchrun() and replicas.rank() > 0:
+            return replicas.follow(device)
+        return _run_node(args, replicas.start(_device(device)) if replicas.under_torchrun() else None)
     except KeyboardInterrupt:  # a second Ctrl+C: out at once; the last checkpoint stays as it was
         print("swarmstream: stopped at once (second Ctrl+C); the round in flight is not contributed, "
               "the last checkpoint is kept", file=sys.stderr)
@@ -90,7 +107,23 @@ def one_line(e: BaseException) -> str:
     return text or type(e).__name__
 
 
-def _run_node(args) -> int:
+def _settings(args):
+    """The volunteer's settings (None if the file is bad: the node says so when it starts)."""
+    from peer.settings_store import load_settings
+
+    try:
+        return load_settings(args.settings or paths.settings_path(), create=False)
+    except (ConfigError, OSError):
+        return None
+
+
+def _device(name: str):
+    from peer.worker import pick_device
+
+    return pick_device(name)
+
+
+def _run_node(args, replicas=None) -> int:
     from protocol.manifest import parse_run_address
 
     initial = list(args.initial_peers)
@@ -105,7 +138,7 @@ def _run_node(args) -> int:
                      initial_peers=tuple(initial), device=args.device, max_rounds=args.rounds,
                      checkpoint_every_s=args.checkpoint_every, min_peers=args.min_peers, control_path=control,
                      settings_path=args.settings or paths.settings_path(), wait_for_confirm=args.wait_for_confirm,
-                     reachability=args.reachability, eval_every_rounds=args.eval_every)
+                     reachability=args.reachability, eval_every_rounds=args.eval_every, replicas=replicas)
 
     def print_event(ev: dict) -> None:
         try:
@@ -117,11 +150,14 @@ def _run_node(args) -> int:
     try:
         install_signal_handlers(node)
         print_event({"event": "listening", "peer": node.identity.peer_id, "maddrs": node.net.visible_maddrs(),
-                     "run_id": node.signed.run_id_text, "address": node.join_address()})
+                     "run_id": node.signed.run_id_text, "address": node.join_address(),
+                     "processes": replicas.world if replicas else 1})
         summary = node.run()
         print_event({"event": "summary", **summary})
     finally:
         node.close()
+        if replicas is not None:
+            replicas.stop()
     return 0
 
 

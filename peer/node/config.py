@@ -9,6 +9,7 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from peer.worker import Worker
 
@@ -65,6 +66,8 @@ class NodeConfig:
     """auto, public or private (see ``peer.network.NetworkConfig.reachability``)."""
     wait_for_confirm: bool = False
     """Start paused until the volunteer confirms, if the settings say they have not yet."""
+    replicas: Any = None
+    """Rank 0's handle on the other processes of a multi-device node (``peer.node.replicas``)."""
 
 
 @dataclass(slots=True)

@@ -33,7 +33,15 @@ class WorkerStateMixin:
             torch.cuda.set_per_process_memory_fraction(compute.gpu_memory_fraction, device)
         if self._corpus is None:
             self._corpus = load_corpus(train.data, train.model.vocab_size, self.identity.public_key)
-        worker = Worker(train, device=device, **device_options(train, device))
+        replicas = self.cfg.replicas
+        if replicas is not None:  # the other processes build theirs with us (DDP syncs the weights)
+            from peer.node.replicas import ReplicatedWorker, local_device
+
+            device = local_device(device)
+            replicas.build(self.manifest_bytes)
+            worker = ReplicatedWorker(train, device=device, **device_options(train, device))
+        else:
+            worker = Worker(train, device=device, **device_options(train, device))
         sampler = ShardSampler(self._corpus.train, train.model.seq_len, train.inner.batch_size, train.data.seed,
                                self.identity.public_key)
         rounds = [0] * len(worker.outer)
@@ -44,6 +52,8 @@ class WorkerStateMixin:
                 self.on_event({"event": "resumed", "step": worker.step, "rounds": rounds})
             except CheckpointError:
                 raise  # main() says it in one line; nothing was changed
+        if replicas is not None:
+            worker.sync_replicas()  # the checkpoint's weights and AdamW state, on every process
         self.worker, self.sampler = worker, sampler
         self.stats.rounds = rounds
         self._sync_started_at = [worker.step] * len(worker.outer)
@@ -55,6 +65,8 @@ class WorkerStateMixin:
         self._paused_step = self.worker.step
         device = self.worker.device
         self.worker = self.sampler = None
+        if self.cfg.replicas is not None:
+            self.cfg.replicas.release()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

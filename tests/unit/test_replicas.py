@@ -1,0 +1,84 @@
+"""The multi-process worker's arithmetic (peer.node.replicas): two gloo processes training
+their halves of each batch take the same steps as one process training the whole batch."""
+
+import multiprocessing
+import os
+import socket
+
+import torch
+
+from protocol.config import DataConfig, InnerConfig, ModelConfig, SyncConfig, TrainConfig
+
+CFG = TrainConfig(model=ModelConfig(n_layers=2, d_model=32, n_heads=2, d_ff=64, seq_len=16), data=DataConfig(seed=3),
+                  inner=InnerConfig(lr=1e-2, warmup_steps=2, total_steps=20, batch_size=4, grad_accum=2),
+                  sync=SyncConfig(inner_steps=3, fragments=2, overlap=0, alpha=0.5))
+
+
+def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(step)
+    out = []
+    for _ in range(CFG.inner.grad_accum):
+        w = torch.randint(0, 256, (CFG.inner.batch_size, CFG.model.seq_len + 1), generator=g)
+        out.append((w[:, :-1], w[:, 1:]))
+    return out
+
+
+def _rank(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from peer.node import replicas
+    from peer.worker import Worker
+
+    replicas.init_group(torch.device("cpu"))
+    worker = replicas.ReplicatedWorker(CFG, device=torch.device("cpu"))
+    if rank == 1:
+        while True:
+            op, args = replicas._receive()
+            if op == replicas.STOP:
+                results.put(("replica", {n: p.detach().clone() for n, p in worker.model.named_parameters()}))
+                return
+            worker.follow(op, args)
+    alone = Worker(CFG)  # one process, the whole batch
+    losses = []
+    for step in range(7):
+        pair = worker.forward_backward(batches(step)), alone.forward_backward(batches(step))
+        worker.optimizer_step()
+        alone.optimizer_step()
+        losses.append(pair)
+        for p in worker.schedule.starts_after(worker.step):  # an outer step, as a landing does
+            for w in (worker, alone):
+                delta, _ = w.begin_sync(p)
+                w.apply_outer(p, delta * 0.5)
+    replicas._send(replicas.STOP)
+    results.put(("node", losses, worker.tokens == alone.tokens, worker.tokens_since_sync == alone.tokens_since_sync,
+                 {n: p.detach().clone() for n, p in worker.model.named_parameters()},
+                 {n: p.detach().clone() for n, p in alone.model.named_parameters()}))
+
+
+def test_two_processes_train_the_whole_batch_as_one_process_does():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((item[0], item[1:]) for item in (results.get(timeout=120), results.get(timeout=120)))
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    losses, same_tokens, same_since_sync, node, alone = got["node"]
+    (replica,) = got["replica"]
+    assert same_tokens and same_since_sync  # the node counts the whole batch, as one process would
+    for a, b in losses:
+        assert abs(a - b) < 1e-5, losses
+    for n in alone:
+        # sums in another order; AdamW turns a gradient near 0 into a full step, so allow a little
+        torch.testing.assert_close(node[n], alone[n], rtol=1e-3, atol=1e-4)
+        assert torch.equal(node[n], replica[n])  # the replica holds exactly the node's weights
+    assert all(p.exitcode == 0 for p in procs)
