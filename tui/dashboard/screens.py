@@ -275,6 +275,7 @@ FIELDS = [
     ("compute", "max_batch_size", "max sequences per forward pass (0 = the run's)", "int"),
     ("compute", "cpu_threads", "CPU threads (0 = default)", "int"),
     ("compute", "duty_cycle", "share of the time training (0.05-1)", "float"),
+    ("compute", "gpus", "GPUs to train on (1-64; at the next start)", "int"),
     ("network", "max_upload_mbps", "upload cap, Mbit/s (0 = none)", "float"),
     ("network", "max_download_mbps", "download cap, Mbit/s (0 = none)", "float"),
     ("schedule", "only_when_idle", "only when the machine is idle", "bool"),
