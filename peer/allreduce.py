@@ -50,6 +50,13 @@ others hold: members that timed out on each other no longer land different avera
 member keeps the parts of its last few finished rounds to answer a report that comes after it
 finished. ``AllReduceOutcome.agreed`` says whether this member saw the agreement complete.
 
+Finals. A member that finishes sends every other member the parts it landed (a final
+``PartsHeld``), and answers a report that comes after it finished with it. A member that
+started so late that the others landed before its part existed (it was starved, or busy
+with its previous round) falls back on its own part as they did (``Round.conform``), and
+takes the parts they landed from their finished rounds: one result for the group, not a
+repair rounds later.
+
 Fallback. A part that nobody reported holding by then (its reducer died, or failed every
 member) holds *this member's own value* in the returned average, and is listed in
 ``AllReduceOutcome.fallback_parts``. ``peer.node``, whose vectors are pseudo-gradients,
@@ -108,7 +115,7 @@ __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_ele
 
 log = logging.getLogger(__name__)
 
-HANDLER_PREFIX = "swarmstream-avg-v4-"  # v2: frames acknowledged (peer.outbox); v3: reports carry norms; v4: audits
+HANDLER_PREFIX = "swarmstream-avg-v5-"  # v2: acknowledged frames (peer.outbox); v3: norms; v4: audits; v5: finals
 CHUNK_ALIGN = 256  # elements: a multiple of every codec's block (int8: 256, fp4: 32)
 _HEAD_ROOM = 4096  # bytes of a frame that are not payload: envelope and message heads
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
@@ -166,6 +173,9 @@ class AllReduceOutcome:
     """Proven lies seen in this round: (signer's public key, what is wrong, the signed frame,
     or the two frames of an equivocation), one per signer (``protocol.evidence``);
     ``peer.bans`` keeps them."""
+    followed: tuple[int, ...] = ()
+    """Parts we held and fell back on because the members that finished before us landed
+    without them (``Round.conform``); also in ``fallback_parts``."""
 
 
 def chunk_elements(max_frame_bytes: int) -> int:
@@ -322,6 +332,8 @@ class Averager:
             rnd = self._recent[gid]
             rnd.accept(peer_id, v, nbytes, data)  # a member late to the agreement: it may lack a part
             self._forward(rnd, self._side_tasks)
+            if not v.message.final and peer_id in rnd.index:  # and it should know what we landed
+                self._tell_landed(rnd, [rnd.index[peer_id]])
         elif gid in self._finished:
             log.debug("frame for a finished group dropped peer=%s group=%s", peer_id, gid.hex())
             return None
@@ -362,6 +374,22 @@ class Averager:
                 task.add_done_callback(tasks.discard)
             else:
                 tasks.append(task)
+
+    def _tell_landed(self, rnd: Round, members: list[int]) -> None:
+        """Send ``members`` our final report: the parts we landed (``Round.landed``), each once."""
+        members = [i for i in members if i not in rnd.told and i != rnd.me]
+        if not rnd.landed or not members:
+            return
+        g = rnd.group
+        final = PartsHeld(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id,
+                          digests=rnd.landed, final=True)
+        frames = [seal_parts(final, self.identity)]
+        deadline = asyncio.get_running_loop().time() + g.deadline_s
+        for i in members:
+            rnd.told.add(i)
+            task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))
+            self._side_tasks.add(task)
+            task.add_done_callback(self._side_tasks.discard)
 
     def _blame(self, peer_id: str, gid: bytes | None, reason: str) -> None:
         """A frame from ``peer_id`` (authenticated by libp2p) was bad: drop it from the round
@@ -487,10 +515,12 @@ class Averager:
 
         # a part nobody forwarded to us, nor holds: its reducer failed every member alike; a
         # part whose reducer we proved sent different means (every member that holds the proof);
-        # or one far larger than its contributions allow (every member, from the same reports)
+        # one far larger than its contributions allow (every member, from the same reports); or
+        # a late reducer's part that the members which finished first landed without
         implausible = rnd.implausible()
-        fallback = tuple(j for j in range(rnd.n)
-                         if rnd.size(j) and (not rnd.holds(j) or j in rnd.convicted or j in implausible))
+        conformed = rnd.conform()
+        fallback = tuple(j for j in range(rnd.n) if rnd.size(j) and (
+            not rnd.holds(j) or j in rnd.convicted or j in implausible or j in conformed))
         for j in fallback:
             s, e = rnd.bounds[j]
             rnd.result[s:e] = vec[s:e]
@@ -499,6 +529,8 @@ class Averager:
         mine = rnd.digests()
         disputed = tuple(j for j in range(rnd.n) if j not in rnd.convicted
                          and mine[j] and any(r[j] and r[j] != mine[j] for r in rnd.reports.values()))
+        rnd.landed = tuple(b"" if j in fallback else mine[j] for j in range(rnd.n))
+        self._tell_landed(rnd, [i for i in range(rnd.n) if i != me and i not in rnd.finals and i not in rnd.gone])
         rnd.retire()
         self.audits.after(rnd, fallback)
         if disputed:
@@ -508,8 +540,8 @@ class Averager:
         self.audits.hand_on(rnd, offences)
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, partial, tuple(sorted(rnd.repaired)),
-                                rnd.settled() and not disputed, tuple(rnd.clipped),
-                                tuple(bytes(rnd.group.members[j]) for j in implausible), offences)
+                                rnd.settled() and not disputed and not rnd.apart(), tuple(rnd.clipped),
+                                tuple(bytes(rnd.group.members[j]) for j in implausible), offences, tuple(conformed))
 
     async def _agree(self, rnd: Round) -> None:
         """Tell every member which parts we hold, forward the ones they lack, and wait for what

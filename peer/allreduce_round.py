@@ -24,6 +24,15 @@ Fed by the averager's stream handler with verified frames, read by ``Averager.al
    the reports did not show (a second mean that reached one member late, or through a
    colluder) may reach some members only: ``visible`` is then False for that part, and the
    round is not ``settled``, so the node compares states after it.
+5. finals: a member that finishes tells every other member which parts it landed
+   (``PartsHeld`` with ``final``; b"" for a part it fell back on), and so does a finished
+   member to one whose report comes after it finished. A member that started late (starved
+   of CPU, busy with its previous round) may produce its part only after the others landed
+   without it; it then holds a part they fell back on. Before it lands, it falls back on a
+   part it holds when its reducer came late as it saw it and more finished members landed
+   without the part than with it (``conform``). So the first finishers' decision stands, and
+   the later ones follow it. A single member's final cannot make another fall back on a
+   part that came on time, nor outvote an honest member that landed the part.
 """
 
 from __future__ import annotations
@@ -118,6 +127,9 @@ class Round:
         self.frames: dict[int, list[Frame]] = {}  # part -> its signed frames, to forward
         # agreement: reports by member, parts forwarded to us (part, forwarder) -> chunks
         self.reports: dict[int, tuple[bytes, ...]] = {}
+        self.finals: dict[int, tuple[bytes, ...]] = {}  # member -> the parts it landed (its final report)
+        self.landed: tuple[bytes, ...] = ()  # the parts we landed, once finished (our final report)
+        self.told: set[int] = set()  # members we sent our final report
         self.report_norms: dict[int, tuple[float, ...]] = {}  # member -> its slices' norms, as it reported them
         self.held_since: dict[int, float] = {}  # part -> when a member other than its reducer first reported it held
         # (part, forwarder) -> [(offset, numel, frame, payload digest, contributors, payload)]
@@ -180,7 +192,7 @@ class Round:
         counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
         out = []
         for i in range(self.n):
-            if i == self.me or i in self.gone:
+            if i == self.me or i in self.gone or i in self.finals:  # finished: nothing more comes from it
                 continue
             if i in self.reports:
                 out.append(i)
@@ -231,7 +243,40 @@ class Round:
     def wanted(self) -> list[int]:
         """Parts that we lack and another member reports holding."""
         return [j for j in range(self.n) if self.size(j) and not self.holds(j) and j not in self.convicted
-                and any(r[j] for r in self.reports.values())]
+                and any(r[j] for r in (*self.reports.values(), *self.finals.values()))]
+
+    def came_late(self, j: int) -> bool:
+        """Whether part j's reducer was late as this member saw it: we dropped it for
+        lateness (its slice or part did not come in time), or, for our own part, every other
+        part we hold was reduced without our slice (it came too late to each of its reducers)."""
+        if j != self.me:
+            return self.dropped.get(j, "").startswith(LATE)
+        others = [c for k, c in self.contributors.items() if k != self.me and self.holds(k)]
+        return bool(others) and all(self.me not in c for c in others)
+
+    def conform(self) -> list[int]:
+        """Parts we hold and fall back on, as members that finished before us did (their
+        finals): a part whose reducer came late (``came_late``), which more finished members
+        (not banned) landed without than with our mean of it. The reducer of such a part
+        produced it after those members had landed without it; landing it would leave us
+        apart from them."""
+        mine = self.digests()
+        finals = [f for i, f in self.finals.items() if self.peer_ids[i] not in self.banned]
+        out = []
+        for j in range(self.n):
+            if not mine[j] or j in self.convicted or not finals or not self.came_late(j):
+                continue
+            without = sum(1 for f in finals if not f[j])
+            if without > sum(1 for f in finals if f[j] == mine[j]):
+                log.warning("falling back on a part the members that finished first landed without part=%d "
+                            "reducer=%s without=%d of=%d group=%s", j, self.peer_ids[j], without, len(finals),
+                            self.group.group_id.hex())
+                out.append(j)
+        return out
+
+    def apart(self) -> list[int]:
+        """Members (not banned) whose final says they landed other parts than we did."""
+        return [i for i, f in self.finals.items() if self.peer_ids[i] not in self.banned and f != self.landed]
 
     def proof_wanted(self) -> list[tuple[int, int]]:
         """(member, part) pairs to send the proof of the part's equivocation to: every other
@@ -400,9 +445,18 @@ class Round:
             log.warning("rejected report reason=%d_parts_for_%d_members peer=%s", len(msg.digests), self.n,
                         self.peer_ids[i])
             return
+        digests = tuple(bytes(d) for d in msg.digests)
+        if msg.final:
+            if i not in self.finals:
+                self.finals[i] = digests
+                if self.landed and digests != self.landed:
+                    log.warning("a member landed other parts than we did peer=%s group=%s", self.peer_ids[i],
+                                self.group.group_id.hex())
+                self.changed.set()
+            return
         if i in self.reports:
             return  # one report per member and round
-        self.reports[i] = tuple(bytes(d) for d in msg.digests)
+        self.reports[i] = digests
         if len(msg.norms) == self.n:  # else it told us nothing about its slices: it bounds no part
             self.report_norms[i] = tuple(msg.norms)
         for j, d in enumerate(self.reports[i]):

@@ -241,6 +241,11 @@ class PartsHeld(Message):
     reducer), or empty. With the others' reports it bounds how large a reduced part can be
     (``protocol.butterfly.mean_norm_bound``): a reducer returning a far larger mean is not
     believed."""
+    final: Annotated[bool, Bool()] = False
+    """True: this member has finished the round, and ``digests`` are the parts it landed (b""
+    for a part it fell back on), not the ones it holds. A member still in the round weighs
+    the finished members' finals for a part whose reducer came late
+    (``peer.allreduce_round.Round.conform``)."""
 
 
 @message(Tag.AUDIT_REQUEST)

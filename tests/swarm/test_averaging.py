@@ -94,7 +94,8 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
                     out_q.put(("done", out.average.numpy().tobytes(), out.dropped, out.fallback_parts,
                                out.bytes_sent, out.elapsed_s, list(logs.lines),
                                {"repaired": out.repaired_parts, "agreed": out.agreed, "partial": out.partial_parts,
-                                "clipped": out.clipped, "offences": [(k, why) for k, why, _ in out.offences]}))
+                                "clipped": out.clipped, "offences": [(k, why) for k, why, _ in out.offences],
+                                "followed": out.followed}))
                 else:
                     net.call(send_bad_slices(av, group, vec, me), 30)
                     out_q.put(("sent",))
@@ -435,6 +436,38 @@ def test_asymmetric_drops_are_repaired_within_the_round_so_every_member_lands_th
         assert elapsed < (1 + RESULT_GRACE) * deadline + 2.0, "the agreement did not wait for the deadline"
     assert 1 in replies[3][7]["repaired"] and 0 in replies[2][7]["repaired"]
     assert any("forwarding reduced part" in ln for r in replies for ln in r[6])
+
+
+def test_a_member_that_starts_after_the_others_landed_lands_what_they_landed(swarm):
+    """Members 0 and 1 average while member 2 has not started (starved, or busy with its
+    previous round): they drop it at the push deadline and land without it, falling back on
+    its part. Member 2 then starts, with their pushes, reports and finals waiting for it. It
+    reduces its part over all three slices, but the others' finals say they landed without
+    it: it falls back on its part as they did, takes their parts from their finished rounds,
+    and lands the same bytes."""
+    peers = swarm(3)
+    weights = [1.0, 2.0, 3.0]
+    deadline = 2.0
+    fields = group_fields(peers, weights, "fp32", group_id=b"late-starter".ljust(16, b"\0"), deadline_s=deadline)
+    for i in (0, 1):
+        peers[i].cmd.put(("allreduce", fields, 500 + i, "honest"))
+    early = [peers[i].reply() for i in (0, 1)]
+    peers[2].cmd.put(("allreduce", fields, 502, "honest"))
+    late = peers[2].reply()
+    vectors = [make_vector(500 + i) for i in range(3)]
+    without_2 = partial_reference(vectors, weights, [0, 1], "fp32")
+    bounds = slice_bounds(NUMEL, 3)
+    for i, (kind, avg, dropped, fallback, *_, lines, more) in enumerate([*early, late]):
+        # a part fallen back on holds each member's own values (a node lands zeros there)
+        assert kind == "done" and fallback == (2,), (i, dropped, fallback, lines)
+        got = as_tensor(avg)
+        for j in (0, 1):
+            assert torch.equal(got[slice(*bounds[j])], without_2[j]), f"member {i} landed another part {j}: {lines}"
+        assert torch.equal(got[slice(*bounds[2])], vectors[i][slice(*bounds[2])])
+    assert late[7]["followed"] == (2,) and set(late[7]["repaired"]) == {0, 1}, late[6]
+    # it saw the others' finals agree with what it landed; they could not tell whether it
+    # would (it never reported in their rounds), so they will compare states after the round
+    assert late[7]["agreed"] and not early[0][7]["agreed"], late[6]
 
 
 def test_a_stream_lost_in_transit_is_sent_again_and_the_round_completes_long_before_its_deadline(swarm):

@@ -1,0 +1,128 @@
+"""Finals (peer.allreduce_round, step 5): a member that started so late that the others landed
+before its part existed falls back on that part as they did, and a member's final cannot
+make another fall back on a part that came on time. No network: frames go from the test to
+a Round by hand."""
+
+import torch
+
+from peer.allreduce import Group
+from peer.allreduce_round import Round
+from protocol.codecs import get_codec
+from protocol.envelope import seal, verify
+from protocol.identity import Identity
+from protocol.messages_swarm import PartsHeld, SliceAveraged
+
+RUN = b"\x07" * 20
+GID = b"f" * 16
+N = 3
+KEYS = [Identity.from_seed(bytes([0x40 + i]) * 32) for i in range(N)]
+NUMEL = 10 * N  # parts of 10
+LATE = 2  # the member that started late, and reducer of part 2
+
+
+def member(me: int, banned: frozenset = frozenset()) -> Round:
+    group = Group(run_id=RUN, fragment=0, round=1, group_id=GID, members=tuple(k.public_key for k in KEYS),
+                  weights=(1.0,) * N, numel=NUMEL, codec="fp32", deadline_s=5.0)
+    rnd = Round(group, me, torch.zeros(NUMEL), get_codec("fp32"), banned=banned)
+    rnd.collecting_pushes = False
+    return rnd
+
+
+def deliver(rnd: Round, frame: bytes) -> None:
+    v = verify(frame)
+    rnd.accept(v.peer_id, v, len(frame), frame)
+
+
+def hold(rnd: Round, j: int, contributors: tuple[int, ...]) -> None:
+    """``rnd`` holds part j, reduced over ``contributors``: its own, or its reducer's frame."""
+    values = torch.full((10,), 1.0 + j)
+    payload = get_codec("fp32").encode(values)
+    frame = seal(SliceAveraged(run_id=RUN, fragment=0, round=1, group_id=GID, part=j, offset=10 * j, numel=10,
+                               shape=(10,), dtype="float32", codec="fp32", weight=float(len(contributors)),
+                               contributors=contributors, inputs=b"i" * 32, payload=payload), KEYS[j])
+    if j == rnd.me:
+        rnd.reduced(contributors, [(10 * j, 10 * j + 10, payload)], [[frame]])
+    else:
+        deliver(rnd, frame)
+
+
+def final(i: int, digests: tuple[bytes, ...]) -> bytes:
+    return seal(PartsHeld(run_id=RUN, fragment=0, round=1, group_id=GID, digests=digests, final=True), KEYS[i])
+
+
+def landed_without(rnd: Round, j: int) -> tuple[bytes, ...]:
+    return tuple(b"" if k == j else d for k, d in enumerate(rnd.digests()))
+
+
+def late_member(on_time: bool) -> Round:
+    """Member 2 holds every part; the others reduced theirs without its slice (it came too
+    late to them) unless ``on_time``."""
+    rnd = member(LATE)
+    others = (0, 1, 2) if on_time else (0, 1)
+    for j in (0, 1):
+        hold(rnd, j, others)
+    hold(rnd, LATE, (0, 1, 2))
+    return rnd
+
+
+def test_a_late_reducer_falls_back_on_its_part_as_the_members_that_finished_before_it_did():
+    rnd = late_member(on_time=False)
+    assert rnd.came_late(LATE) and rnd.conform() == []  # nobody has finished: nothing to follow
+    for i in (0, 1):
+        deliver(rnd, final(i, landed_without(rnd, LATE)))
+    assert rnd.conform() == [LATE]
+    # and it does not wait for reports from members that have finished
+    assert rnd.took_part() == [] and rnd.wanted() == []
+
+
+def test_a_final_cannot_make_a_member_fall_back_on_a_part_that_came_on_time():
+    rnd = late_member(on_time=True)
+    for i in (0, 1):
+        deliver(rnd, final(i, landed_without(rnd, LATE)))
+    assert not rnd.came_late(LATE) and rnd.conform() == []
+    # nor on another member's part that reached it in time
+    assert rnd.conform() == [] and not rnd.came_late(0)
+
+
+def test_a_late_part_is_kept_when_as_many_finished_members_landed_it_as_did_not():
+    rnd = late_member(on_time=False)
+    deliver(rnd, final(0, landed_without(rnd, LATE)))
+    deliver(rnd, final(1, rnd.digests()))  # it landed our mean of part 2
+    assert rnd.conform() == []
+    # a final with another mean of the part counts for neither side
+    rnd = late_member(on_time=False)
+    deliver(rnd, final(0, landed_without(rnd, LATE)))
+    deliver(rnd, final(1, tuple(b"x" * 32 if k == LATE else d for k, d in enumerate(rnd.digests()))))
+    assert rnd.conform() == [LATE]
+
+
+def test_a_banned_members_final_is_not_followed():
+    rnd = late_member(on_time=False)
+    rnd.banned = frozenset({KEYS[0].peer_id})
+    deliver(rnd, final(0, landed_without(rnd, LATE)))
+    assert rnd.conform() == []
+    deliver(rnd, final(1, landed_without(rnd, LATE)))
+    assert rnd.conform() == [LATE]
+
+
+def test_another_reducers_part_is_followed_only_when_it_was_late_to_us():
+    rnd = member(0)
+    hold(rnd, 0, (0, 1, 2))
+    hold(rnd, 1, (0, 1, 2))
+    hold(rnd, 2, (0, 1, 2))
+    deliver(rnd, final(1, landed_without(rnd, 2)))
+    assert rnd.conform() == []  # part 2 came in time: member 1's word alone changes nothing
+    rnd.drop(2, "timeout:slice not received in time")
+    assert rnd.conform() == [2]
+
+
+def test_a_final_is_kept_apart_from_the_report_and_once_per_member():
+    rnd = late_member(on_time=False)
+    first = landed_without(rnd, LATE)
+    deliver(rnd, final(0, first))
+    deliver(rnd, final(0, rnd.digests()))  # a second final from one member is ignored
+    assert rnd.finals == {0: first} and rnd.reports == {}
+    rnd.landed = rnd.digests()
+    assert rnd.apart() == [0]
+    rnd.landed = first
+    assert rnd.apart() == []
