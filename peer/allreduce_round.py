@@ -257,11 +257,11 @@ class Round:
     def conform(self) -> list[int]:
         """Parts we hold and fall back on, as members that finished before us did (their
         finals): a part whose reducer came late (``came_late``), which more finished members
-        (not banned) landed without than with our mean of it. The reducer of such a part
-        produced it after those members had landed without it; landing it would leave us
-        apart from them."""
+        (not banned, nor dropped for a lie) landed without than with our mean of it. The
+        reducer of such a part produced it after those members had landed without it;
+        landing it would leave us apart from them."""
         mine = self.digests()
-        finals = [f for i, f in self.finals.items() if self.peer_ids[i] not in self.banned]
+        finals = [f for i, f in self.finals.items() if self._believed(i)]
         out = []
         for j in range(self.n):
             if not mine[j] or j in self.convicted or not finals or not self.came_late(j):
@@ -276,7 +276,12 @@ class Round:
 
     def apart(self) -> list[int]:
         """Members (not banned) whose final says they landed other parts than we did."""
-        return [i for i, f in self.finals.items() if self.peer_ids[i] not in self.banned and f != self.landed]
+        return [i for i, f in self.finals.items() if self._believed(i) and f != self.landed]
+
+    def _believed(self, i: int) -> bool:
+        """Whether member i's final counts: not banned, nor dropped from this round for a frame
+        that failed a check (a lie, not lateness)."""
+        return self.peer_ids[i] not in self.banned and self.dropped.get(i, "late").startswith(LATE + ("late",))
 
     def proof_wanted(self) -> list[tuple[int, int]]:
         """(member, part) pairs to send the proof of the part's equivocation to: every other

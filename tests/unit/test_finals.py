@@ -103,6 +103,9 @@ def test_a_banned_members_final_is_not_followed():
     assert rnd.conform() == []
     deliver(rnd, final(1, landed_without(rnd, LATE)))
     assert rnd.conform() == [LATE]
+    # nor is the final of a member dropped from the round for a frame that failed a check
+    rnd.drop(1, "PushSlice:values must be finite")
+    assert rnd.conform() == []
 
 
 def test_another_reducers_part_is_followed_only_when_it_was_late_to_us():
