@@ -457,7 +457,7 @@ def test_a_member_that_starts_after_the_others_landed_lands_what_they_landed(swa
     vectors = [make_vector(500 + i) for i in range(3)]
     without_2 = partial_reference(vectors, weights, [0, 1], "fp32")
     bounds = slice_bounds(NUMEL, 3)
-    for i, (kind, avg, dropped, fallback, *_, lines, more) in enumerate([*early, late]):
+    for i, (kind, avg, dropped, fallback, *_, lines, _) in enumerate([*early, late]):
         # a part fallen back on holds each member's own values (a node lands zeros there)
         assert kind == "done" and fallback == (2,), (i, dropped, fallback, lines)
         got = as_tensor(avg)
