@@ -38,7 +38,7 @@ its step counter on (``peer.pace``: it follows the others' rounds with the steps
 The run: tiny preset (``--preset``), ``stdlib`` corpus, Streaming DiLoCo with P = 2 and the fp4 codec, the
 demo's swarm timings (matchmaking 5 s, all-reduce deadline 30 s), alpha = 0 at tau = 0 and
 0.5 at tau > 0 (``protocol.config.SYNC_MODES``). Nodes join a sync's group ahead of
-its start step (pipelined matchmaking), at most until the fragment's previous round landed,
+its start step (pipelined matchmaking), as soon as the fragment's previous round landed,
 so a round of H - tau - 1 steps must last longer than the matchmaking floor (about
 ``0.5 * matchmaking_timeout_s``: the batch gap plus the settle time of ``peer.matchmaking``)
 for the floor to be hidden.

@@ -53,11 +53,11 @@ waits; one behind cannot speed up. The lone rounds leave the two with different 
 which the node's repair settles (``peer.node.catchup``: the side most peers hold, or the
 smallest key's, taken at the rounds the taker is at).
 
-Ahead of the sync (pipelined): the node calls ``form_group`` about ``formation_s()`` before
-the sync's start step (in inner steps at its own pace, ``peer.node.syncs._lead_steps``), with
-the weight the sync will carry, so the group is there when the pseudo-gradient is and the
-batch windows above cost no training time. Peers in step join at about the same time, as
-before; everything above holds unchanged, only earlier. A node slower than the others
+Ahead of the sync (pipelined): the node calls ``form_group`` as soon as the fragment's
+previous round has landed (``peer.node.syncs._lead_steps``), with the weight the sync will
+carry, so the group is there when the pseudo-gradient is and the batch windows above cost no
+training time. Peers in step land a round together (the end of one all-reduce) and so join
+the next one together; everything above holds unchanged, only earlier. A node slower than the others
 (``peer.pace``) joins when another peer has joined the round (``wait_for_others``), so it
 lands in their batch; if their batch has closed already, it averages alone at once, to be
 ready for the next round.

@@ -301,7 +301,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             # the step, so that a fresh run's first groups form during its first steps)
             step = worker.step
             following = self._following()  # slower than the swarm: join when the others do (peer.pace)
-            for p, r, at in pipeline.joins(step, self._lead_steps(following), before_round=last_round):
+            for p, r, at in pipeline.joins(step, self._lead_steps(), before_round=last_round):
                 # the weight it will carry, capped as begin_sync caps it (more than H steps' worth
                 # only after a round started early by a pause)
                 planned = min(worker.tokens_since_sync[p] + tokens * (at - step), train.max_sync_tokens())

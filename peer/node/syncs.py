@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import math
 import os
 import signal
 import statistics
@@ -29,32 +28,33 @@ from protocol.messages_control import (
 
 log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
 
+PACE_STEPS = 20  # timed inner steps before a node compares its pace with the swarm's (peer.pace)
+
 
 class SyncMixin:
     """Averaging and landing of ``peer.node.Node`` (a part of it)."""
 
-    def _lead_steps(self, following: bool) -> int:
-        """How many inner steps before a sync's start its group should start forming: the time
-        matchmaking takes, in steps at our recent pace (the median of the last 50, or the
-        fastest so far before 5 are known: the first ones warm up, slower, and would make the
-        lead too short). Before our first step, in a fresh run (step 0, where every peer starts
-        its schedule), and while we are slower than the swarm (``peer.pace``: we follow the
-        others' joins), as early as the schedule allows. Resumed mid-run with no step timed
-        yet: 0, join at the start (joining far ahead of the others would put us in a batch of
-        our own)."""
-        cycles = self.stats.cycle_times
-        if not cycles:
-            return self.worker.schedule.inner_steps if self.worker.step == 0 else 0
-        if following:
-            return self.worker.schedule.inner_steps
-        step_s = max(statistics.median(cycles) if len(cycles) >= 5 else min(cycles), 1e-3)
-        return math.ceil(self.matchmaker.formation_s() / step_s)
+    def _lead_steps(self) -> int:
+        """How many inner steps before a sync's start its group should start forming: as early
+        as the schedule allows (``SyncPipeline.joins`` caps it: right after the fragment's
+        previous round landed). Peers in step land a round together, at the end of one
+        all-reduce, so they join the next one together, whatever pace each measures: a lead
+        of "the time matchmaking takes, in steps at our own pace" put equal peers' joins
+        seconds apart whenever their step times differed (warm-up, a shared core), and split
+        them into batches of their own. A node slower than the swarm joins when the others
+        have (``peer.pace``). Resumed mid-run with no step timed yet: 0, join at the start
+        (joining far ahead of the others would put us in a batch of our own)."""
+        if not self.stats.cycle_times and self.worker.step > 0:
+            return 0
+        return self.worker.schedule.inner_steps
 
     def _own_pace(self) -> float | None:
         """Inner steps per second we train at (compute and the volunteer's rest; waits on the
-        network left out), once 5 steps are timed."""
+        network left out), once ``PACE_STEPS`` steps are timed: the first steps warm up,
+        slower, and with 5 timed a peer as fast as the others took itself for slow at step 6,
+        moved its counter a whole round on, and trained alone out of step."""
         cycles = self.stats.cycle_times
-        return 1.0 / max(statistics.median(cycles), 1e-3) if len(cycles) >= 5 else None
+        return 1.0 / max(statistics.median(cycles), 1e-3) if len(cycles) >= PACE_STEPS else None
 
     def _following(self) -> bool:
         """Slower than the swarm: we join our rounds when the others do and start them when

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.pace import FAST_ABOVE, SLOW_BELOW, SwarmClock
+from peer.pace import FAST_ABOVE, SLOW_BELOW, SLOW_FOR, SwarmClock
 
 
 def beat(clock: SwarmClock, key: bytes, t: float, steps: int, state: str = "training") -> None:
@@ -52,14 +52,32 @@ def test_slow_with_hysteresis():
     for key in (b"a", b"b", b"c"):
         beat(c, key, 0.0, 0)
         beat(c, key, 1.0, 10)
-    assert not c.is_slow(None)  # our own pace not known yet
-    assert not c.is_slow(10.0)  # as fast as the others
-    assert c.is_slow(SLOW_BELOW * 10.0 - 0.1)
-    assert c.is_slow((SLOW_BELOW + FAST_ABOVE) / 2 * 10.0)  # between the bounds: still slow
-    assert not c.is_slow(FAST_ABOVE * 10.0 + 0.1)
-    assert not c.is_slow((SLOW_BELOW + FAST_ABOVE) / 2 * 10.0)  # between the bounds: still not slow
+    assert not c.is_slow(None, now=0.0)  # our own pace not known yet
+    assert not c.is_slow(10.0, now=0.0)  # as fast as the others
+    slow = SLOW_BELOW * 10.0 - 0.1
+    assert not c.is_slow(slow, now=1.0)  # below the bound, but not for long yet
+    assert not c.is_slow(slow, now=1.0 + SLOW_FOR - 0.1)
+    assert c.is_slow(slow, now=1.0 + SLOW_FOR)  # below it for SLOW_FOR heartbeat intervals
+    assert c.is_slow((SLOW_BELOW + FAST_ABOVE) / 2 * 10.0, now=4.0)  # between the bounds: still slow
+    assert not c.is_slow(FAST_ABOVE * 10.0 + 0.1, now=5.0)
+    assert not c.is_slow((SLOW_BELOW + FAST_ABOVE) / 2 * 10.0, now=6.0)  # between the bounds: still not slow
     c.forget([b"a", b"b", b"c"])
-    assert not c.is_slow(1.0)  # nobody to compare with
+    assert not c.is_slow(1.0, now=7.0)  # nobody to compare with
+
+
+def test_a_dip_below_the_bound_shorter_than_slow_for_is_not_slow():
+    """Equal peers on shared cores dip below each other's pace for a moment (a neighbour
+    starting up, an all-reduce): only a pace that stays low makes a node follow."""
+    c = SwarmClock(heartbeat_interval_s=2.0, tokens_per_step=100)
+    for key in (b"a", b"b", b"c"):
+        beat(c, key, 0.0, 0)
+        beat(c, key, 2.0, 20)
+    t = 0.0
+    for _ in range(10):  # below the bound for a little less than SLOW_FOR intervals, then back
+        assert not c.is_slow(SLOW_BELOW * 10.0 - 1.0, now=t)
+        assert not c.is_slow(SLOW_BELOW * 10.0 - 1.0, now=t + SLOW_FOR * 2.0 - 0.5)
+        assert not c.is_slow(10.0, now=t + SLOW_FOR * 2.0)
+        t += 10.0
 
 
 def test_one_liar_does_not_move_the_median_of_three():
@@ -68,7 +86,7 @@ def test_one_liar_does_not_move_the_median_of_three():
         beat(c, key, 0.0, 0)
         beat(c, key, 1.0, step)
     assert c.swarm_pace() == pytest.approx(11.0)
-    assert not c.is_slow(10.0)
+    assert not c.is_slow(10.0, now=0.0) and not c.is_slow(10.0, now=100.0)
 
 
 def test_until_a_second_heartbeat_the_pace_is_the_reported_tokens_per_second_in_steps():
