@@ -176,6 +176,9 @@ class AllReduceOutcome:
     followed: tuple[int, ...] = ()
     """Parts we held and fell back on because the members that finished before us landed
     without them (``Round.conform``); also in ``fallback_parts``."""
+    kept_waiting_s: float = 0.0
+    """How long half the other members' frames for this group had waited for us when we
+    started it: we reached the round that much after them (``peer.pace``)."""
 
 
 def chunk_elements(max_frame_bytes: int) -> int:
@@ -454,6 +457,7 @@ class Averager:
         excluded = frozenset(i for i, key in enumerate(group.members) if peer_id_from_public_key(key) in self.banned)
         rnd = Round(group, me, vec, get_codec(group.codec), self.clip, excluded, self.banned)
         self._active[gid] = rnd
+        kept_waiting = self._pending.waited(gid, [p for i, p in enumerate(rnd.peer_ids) if i != me])
         for peer_id, item, nbytes, data in self._pending.pop(gid):  # in arrival order
             if isinstance(item, StreamEnded):
                 rnd.stream_ended(peer_id, item.kind)
@@ -541,7 +545,8 @@ class Averager:
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, partial, tuple(sorted(rnd.repaired)),
                                 rnd.settled() and not disputed and not rnd.apart(), tuple(rnd.clipped),
-                                tuple(bytes(rnd.group.members[j]) for j in implausible), offences, tuple(conformed))
+                                tuple(bytes(rnd.group.members[j]) for j in implausible), offences, tuple(conformed),
+                                kept_waiting)
 
     async def _agree(self, rnd: Round) -> None:
         """Tell every member which parts we hold, forward the ones they lack, and wait for what

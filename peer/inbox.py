@@ -160,6 +160,7 @@ class _Group:
     by_peer: dict[str, int] = field(default_factory=dict)  # bytes charged per peer
     notes: set[tuple[str, Any]] = field(default_factory=set)  # (peer, blame or marker): each once
     truncated: set[str] = field(default_factory=set)  # peers whose frames we dropped at a limit
+    first: dict[str, float] = field(default_factory=dict)  # peer -> when its first frame came (monotonic)
 
 
 class PendingFrames:
@@ -237,7 +238,26 @@ class PendingFrames:
         g.notes.add((peer_id, item))
         self._append(g, peer_id, item, 0, ITEM_OVERHEAD, b"")
 
+    def waited(self, gid: bytes, peer_ids: list[str]) -> float:
+        """Seconds since half of ``peer_ids`` (rounded up: one liar of three cannot decide it)
+        had sent frames for group ``gid`` that wait for us to start it; 0 if fewer did. How
+        long the group's other members were kept waiting by us (``peer.pace``)."""
+        g = self._groups.get(gid)
+        if g is None or not peer_ids:
+            return 0.0
+        came = sorted(g.first[p] for p in peer_ids if p in g.first)
+        half = -(-len(peer_ids) // 2)
+        return time.monotonic() - came[half - 1] if len(came) >= half else 0.0
+
+    def started(self, gid: bytes, peer_ids: list[str]) -> bool:
+        """Whether half of ``peer_ids`` (rounded up) have sent frames for group ``gid`` that
+        wait for us: they started its all-reduce. Read from the training thread (dict lookups
+        only)."""
+        g = self._groups.get(gid)
+        return g is not None and sum(p in g.first for p in peer_ids) >= -(-len(peer_ids) // 2)
+
     def _append(self, g: _Group, peer_id: str, item: Any, nbytes: int, charge: int, data: bytes) -> None:
+        g.first.setdefault(peer_id, time.monotonic())
         g.items.append((peer_id, item, nbytes, data))
         g.nbytes += charge
         g.by_peer[peer_id] = g.by_peer.get(peer_id, 0) + charge

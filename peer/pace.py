@@ -9,11 +9,10 @@ follows the others' rounds:
 
 - it joins the group of a fragment's next round when another peer has joined it (it polls
   the round's joins once its previous round of that fragment has landed; the others join
-  about the time a group takes to form before they start), or by its own schedule if nobody
-  does;
-- when that group has formed, the others are about to hand over their pseudo-gradients, so
-  it moves its step counter on to the sync's start step and hands over its own at once, with
-  the steps it managed.
+  as soon as theirs has), or by its own schedule if nobody does;
+- when half the group's other members have sent it their frames (they started the round's
+  all-reduce), it moves its step counter on to the sync's start step and hands over its own
+  pseudo-gradient at once, with the steps it managed.
 
 Its pseudo-gradient covers fewer inner steps, and its weight (the tokens it trained since its
 last sync, which the group weights the average by) is smaller in the same proportion. A peer
@@ -34,6 +33,14 @@ neighbour's all-reduce): with a bound of 0.75 and no time in it, two of four equ
 round on and averaged alone out of step. A peer half as fast as the others (the case this is
 for) is below 0.6 all the time.
 
+Being waited for is the other sign (``SwarmClock.kept_waiting``): a group that formed with a
+slow member waits for its part every round (the push deadline is long), so the others' pace,
+waits included, drops to the slow one's and the test above never finds it slow: the whole
+swarm would run at its pace. A node whose group's other members (half of them, so one liar of
+three cannot decide it) had sent their frames a tenth of a round before it started, at two
+syncs running, is slow, and held so for ``HOLD_FOR`` intervals while the others, no longer
+waiting, show their own pace again.
+
 One peer lying about its pace does not move a median; a liar in a swarm of two (or a colluding
 majority) can make a node a follower, which then trains fewer steps per round but still
 averages them with their true weight; it moves its counter only to the start of a round whose
@@ -51,6 +58,8 @@ from dataclasses import dataclass
 SLOW_BELOW = 0.6  # of the swarm's pace: below it for SLOW_FOR intervals a node is slow ...
 FAST_ABOVE = 0.8  # ... until it is back above this
 SLOW_FOR = 2.0  # heartbeat intervals below SLOW_BELOW before a node is slow
+STRAGGLED = 2  # syncs in a row at which our group waited for us before a node is slow ...
+HOLD_FOR = 3.0  # ... for at least this many heartbeat intervals
 TRAINING = frozenset({"training", "averaging", "finishing"})
 
 
@@ -70,6 +79,8 @@ class SwarmClock:
         self._seen: dict[bytes, _Seen] = {}
         self._slow = False
         self._below_since: float | None = None  # since when our pace has been below SLOW_BELOW
+        self._held_until = 0.0  # slow at least until then (we kept our groups waiting: straggled)
+        self._straggled = 0  # syncs in a row at which we kept our group waiting
 
     def observe(self, key: bytes, sent_at: float, tokens: int, state: str, tokens_per_s: float = 0.0) -> None:
         """One heartbeat read from the DHT (a read may return the same heartbeat again). A
@@ -105,6 +116,8 @@ class SwarmClock:
         slower than the swarm: below ``SLOW_BELOW`` of it since ``SLOW_FOR`` heartbeat
         intervals (``now``: monotonic seconds), and then until it is above ``FAST_ABOVE``."""
         now = time.monotonic() if now is None else now
+        if now < self._held_until:
+            return True
         swarm = self.swarm_pace()
         if not own_pace or not swarm:
             self._slow, self._below_since = False, None
@@ -118,3 +131,21 @@ class SwarmClock:
             if own_pace > FAST_ABOVE * swarm:
                 self._slow = False
         return self._slow
+
+    def kept_waiting(self, waited_s: float, round_s: float, now: float | None = None) -> bool:
+        """After a sync: the others' frames had waited ``waited_s`` for ours (``round_s``: how
+        long a round of our steps takes). Kept waiting a tenth of a round (at least half a
+        second) at ``STRAGGLED`` syncs in a row, we are the straggler: slow, and held so for
+        ``HOLD_FOR`` heartbeat intervals. -> whether this made us slow.
+
+        Why a second signal: a group that formed with a slow member waits for its push every
+        round, so the others' pace (waits included) drops to the slow one's, and by the pace
+        test it is as fast as the swarm; the whole swarm then runs at its pace for ever. Its
+        being waited for says so at once; the hold lets the others' pace be measured again
+        once they no longer wait."""
+        now = time.monotonic() if now is None else now
+        self._straggled = self._straggled + 1 if waited_s >= max(0.5, 0.1 * round_s) else 0
+        if self._straggled < STRAGGLED or now < self._held_until:
+            return False
+        self._slow, self._held_until, self._below_since = True, now + HOLD_FOR * self.interval_s, None
+        return True

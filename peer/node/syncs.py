@@ -18,6 +18,7 @@ import torch
 from peer.node.config import (
     _fault_due,
 )
+from peer.pace import STRAGGLED
 from peer.sync_pipeline import Forming, InFlight
 from protocol.butterfly import slice_bounds
 from protocol.identity import peer_id_from_public_key
@@ -38,12 +39,14 @@ class SyncMixin:
         """How many inner steps before a sync's start its group should start forming: as early
         as the schedule allows (``SyncPipeline.joins`` caps it: right after the fragment's
         previous round landed). Peers in step land a round together, at the end of one
-        all-reduce, so they join the next one together, whatever pace each measures: a lead
-        of "the time matchmaking takes, in steps at our own pace" put equal peers' joins
-        seconds apart whenever their step times differed (warm-up, a shared core), and split
-        them into batches of their own. A node slower than the swarm joins when the others
-        have (``peer.pace``). Resumed mid-run with no step timed yet: 0, join at the start
-        (joining far ahead of the others would put us in a batch of our own)."""
+        all-reduce, so they join the next one together, whatever pace each measures. A lead of
+        "the time a group takes to form, in steps at our own pace" put equal peers' joins
+        seconds apart whenever their step times differed (warm-up, a shared core) and split
+        them into batches of their own; at the swarm's pace it still did, less often. A slow
+        peer is then in its groups from the start and they wait for its part, until it finds
+        itself the straggler and follows (``peer.pace``). Resumed mid-run with no step timed
+        yet: 0, join at the start (joining far ahead of the others would put us in a batch of
+        our own)."""
         if not self.stats.cycle_times and self.worker.step > 0:
             return 0
         return self.worker.schedule.inner_steps
@@ -64,15 +67,18 @@ class SyncMixin:
     def _keep_pace(self, worker, pipeline, following: bool) -> list[int]:
         """After an inner step: the steps of the schedule it passed. That step and, while we
         follow the others (``peer.pace``), up to the start step of a sync whose group has
-        formed: they hand over their pseudo-gradients now, so we hand over ours, with the steps
-        we managed. (Also when matchmaking left us alone, or failed: nothing is to be waited
-        for, and landing now readies us for the fragment's next round.)"""
+        formed and whose other members have started it (half of them have sent us frames):
+        they have handed over their pseudo-gradients, so we hand over ours, with the steps we
+        managed. (Also when matchmaking left us alone, or failed: nothing is to be waited
+        for, and landing now readies us for the fragment's next round.) Groups form right
+        after the previous round lands, most of a round before they start: a follower that
+        moved on when its group had formed trained nothing."""
         passed = [worker.step]
         if not following:
             return passed
         target = worker.step
         for f in pipeline.forming():
-            if f.handle[0].done():
+            if f.handle[0].done() and self._others_started(f.handle[0]):
                 target = max(target, f.starts_after)
         if target > worker.step and not self.stats.steps_skipped:
             log.info("slower than the swarm: starting our syncs when the others do step=%d to=%d",
@@ -82,6 +88,18 @@ class SyncMixin:
             self.stats.steps_skipped += 1
             passed.append(worker.step)
         return passed
+
+    def _others_started(self, group_future) -> bool:
+        """Whether half the other members of a formed group have sent us frames for it (they
+        started its all-reduce); True for no group, or a failed formation: nothing to wait for."""
+        try:
+            group = group_future.result()
+        except Exception:
+            return True
+        if group is None:
+            return True
+        others = [peer_id_from_public_key(k) for k in group.members if k != self.identity.public_key]
+        return self.averager.pending.started(bytes(group.group_id), others)
 
     def _submit_forming(self, fragment: int, round_: int, weight: float, follow: tuple[float, float] | None = None
                         ) -> tuple[Any, float]:
@@ -206,6 +224,11 @@ class SyncMixin:
             self.stats.bytes_received += outcome.bytes_received
             self.stats.dropped_peers += len(outcome.dropped)
             self.stats.allreduce_s.append(outcome.elapsed_s)
+            cycles = self.stats.cycle_times
+            round_s = self.worker.schedule.inner_steps * (statistics.median(cycles) if cycles else 0.0)
+            if self._clock.kept_waiting(outcome.kept_waiting_s, round_s):
+                log.info("our groups waited %.1f s for our part, at %d syncs running: slower than the swarm, "
+                         "following its rounds", outcome.kept_waiting_s, STRAGGLED)
             size = result[1]
             self._remember(FragmentSynced(
                 at=time.time(), fragment=fragment, round=round_, group_size=size,

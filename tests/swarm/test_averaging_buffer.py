@@ -176,3 +176,25 @@ def test_early_frames_expire_and_unverifiable_ones_are_never_buffered():
     for _ in range(100):
         av._on_frame(peer, frame(b"a" * 16, run_id=b"\x08" * 20))
     assert av.pending.nbytes == 2 * ITEM_OVERHEAD
+
+
+def test_how_long_early_frames_waited_counts_from_when_half_the_members_had_sent(monkeypatch):
+    import peer.inbox
+    from peer.inbox import PendingFrames
+
+    now = [100.0]
+    monkeypatch.setattr(peer.inbox.time, "monotonic", lambda: now[0])
+    pending = PendingFrames(max_groups=4, max_bytes=1 << 20, max_groups_per_peer=4, max_bytes_per_peer=1 << 20,
+                            ttl_s=60.0)
+    gid, members = b"g" * 16, ["a", "b", "c"]
+    assert pending.waited(gid, members) == 0.0  # nothing buffered: nobody waits for us
+    pending.add(gid, "a", "frame", 10)
+    now[0] = 103.0
+    assert pending.waited(gid, members) == 0.0  # one of three (a liar, say) decides nothing
+    pending.add(gid, "z", "frame", 10)  # not a member of the group
+    assert pending.waited(gid, members) == 0.0
+    pending.add(gid, "b", "frame", 10)
+    pending.add(gid, "b", "frame", 10)  # its second frame changes nothing
+    now[0] = 105.0
+    assert pending.waited(gid, members) == 2.0  # since the second of three members sent
+    assert pending.waited(gid, ["a", "b"]) == 5.0  # of two, since the first
