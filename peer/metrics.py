@@ -15,7 +15,7 @@ A port that cannot be bound is logged and the node trains on without it.
     swarmstream_paused_seconds_total
     swarmstream_syncs_total{outcome}                  "ok", "alone" (no group), "failed"
     swarmstream_bytes_total{direction}                "sent", "received" (averaging streams)
-    swarmstream_peers                                 other peers with a fresh heartbeat
+    swarmstream_peers                                 other peers (fresh heartbeats; a large run's estimate)
     swarmstream_step, swarmstream_round               inner step counter; fragments' lowest completed round
     swarmstream_train_loss, swarmstream_heldout_loss  latest (absent until measured)
     swarmstream_banned_peers                          banned for a proven lie
@@ -74,8 +74,8 @@ class _NodeCollector:
         traffic.add_metric(["sent"], s.bytes_sent)
         traffic.add_metric(["received"], s.bytes_received)
         yield traffic
-        yield _gauge("swarmstream_peers", "Other peers of the run with a fresh heartbeat",
-                     len(set(n._peers) - {n.identity.public_key}))
+        yield _gauge("swarmstream_peers", "Other peers of the run: those with a fresh heartbeat, or in a "
+                     "large run the estimate from the shards read (peer.shards)", n._run_size() - 1)
         if n.worker is not None:
             yield _gauge("swarmstream_step", "The inner step counter", n.worker.step)
         yield _gauge("swarmstream_round", "The lowest completed outer round over the fragments",

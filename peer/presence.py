@@ -4,7 +4,8 @@ Keys (all under ``swarmstream/v1/``), each a map whose subkeys are the writers' 
 so one writer can only ever overwrite its own slot and a forged record cannot hide a true one:
 
 - ``run/<run id hex>/manifest``: the signed manifest, re-published by every peer of the run;
-- ``run/<run id hex>/peers``: each peer's signed ``Heartbeat``, expiring after the run's
+- ``run/<run id hex>/peers`` (and, in a large run, ``.../peers/<level>/<shard>``: the shards of
+  ``peer.shards``): each peer's signed ``Heartbeat``, expiring after the run's
   ``heartbeat_ttl_s``;
 - ``runs``: signed ``RunAdvertised`` entries (subkey: run ID + advertiser) for the run browser.
 
@@ -28,6 +29,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity, peer_id_from_public_key
 from protocol.manifest import SignedManifest, format_run_id, open_manifest
 from protocol.messages_swarm import Heartbeat, RunAdvertised
+from peer.shards import SHARD_TARGET, ShardView, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,10 @@ def manifest_key(run_id: bytes) -> str:
     return f"{PREFIX}/run/{run_id.hex()}/manifest"
 
 
-def peers_key(run_id: bytes) -> str:
-    return f"{PREFIX}/run/{run_id.hex()}/peers"
+def peers_key(run_id: bytes, level: int = 0, shard: int = 0) -> str:
+    """The key of one shard of the run's heartbeats (``peer.shards``); level 0 is the one key."""
+    base = f"{PREFIX}/run/{run_id.hex()}/peers"
+    return base if level <= 0 else f"{base}/{level}/{shard}"
 
 
 def _entries(found: Any) -> list[tuple[Any, Any]]:
@@ -63,11 +67,20 @@ def _check_subkey(sub: Any, length: int) -> None:
 
 
 class Presence:
-    def __init__(self, dht: DHTNode, identity: Identity, clock: Callable[[], float] = get_dht_time):
+    def __init__(self, dht: DHTNode, identity: Identity, clock: Callable[[], float] = get_dht_time,
+                 shard_target: int = SHARD_TARGET):
         self.dht = dht
         self.identity = identity
         self.clock = clock
+        self.shard_target = shard_target
         self.rejected: Counter[str] = Counter()  # peer ID -> records of theirs we refused
+        self._views: dict[bytes, ShardView] = {}
+
+    def view(self, run_id: bytes) -> ShardView:
+        """Our shards of ``run_id``: where we write, what we read, the run's estimated size."""
+        if run_id not in self._views:
+            self._views[run_id] = ShardView(bytes(run_id), self.identity.public_key, target=self.shard_target)
+        return self._views[run_id]
 
     def _reject(self, writer: Any, what: str, err: Exception) -> None:
         who = peer_id_from_public_key(writer) if isinstance(writer, bytes) and len(writer) == 32 else repr(writer)[:60]
@@ -100,12 +113,50 @@ class Presence:
     # --- heartbeats ----------------------------------------------------------------------
 
     async def announce(self, heartbeat: Heartbeat, ttl_s: float) -> bool:
-        return await self.dht.store(peers_key(heartbeat.run_id), seal(heartbeat, self.identity),
-                                    self.clock() + ttl_s, subkey=self.identity.public_key)
+        """Store our heartbeat in our shards (``peer.shards``: three levels around ours, or the
+        run's one key and level 1's shard in a small run). True if every store landed."""
+        sealed, exp = seal(heartbeat, self.identity), self.clock() + ttl_s
+        keys = [peers_key(heartbeat.run_id, lv, sh) for lv, sh in self.view(heartbeat.run_id).writes()]
+        done = await self.dht.store_many(keys, [sealed] * len(keys), exp, subkeys=[self.identity.public_key] * len(keys))
+        return all(done.values())
 
     async def peers(self, run_id: bytes, ttl_s: float) -> dict[bytes, Heartbeat]:
-        """Live peers of the run: public key -> their latest verified, fresh heartbeat."""
-        found = await self.dht.get(peers_key(run_id), latest=True)
+        """Live peers of the run that our shards show (all of them in a run at level 0, else a
+        sample: ``peer.shards``): public key -> their latest verified, fresh heartbeat. Each
+        call also moves our view's level and estimate of the run's size on."""
+        view = self.view(run_id)
+        where = view.to_read()
+        keys = [peers_key(run_id, lv, sh) for lv, sh in where]
+        found = await self.dht.get_many(keys, sufficient_expiration_time=float("inf"))
+        me = self.identity.public_key
+        out: dict[bytes, Heartbeat] = {}
+        counts: dict[tuple[int, int], int] = {}
+        for (lv, sh), key in zip(where, keys):
+            shard = self._heartbeats(run_id, found.get(key), ttl_s, lv, sh)
+            # we are in our own shard even before our store there is readable
+            counts[(lv, sh)] = len(shard.keys() | ({me} if sh == shard_of(run_id, me, lv) else set()))
+            if lv == view.level or view.probing():
+                out.update(shard)
+        view.observe(counts)
+        return out
+
+    async def heartbeat_of(self, run_id: bytes, key: bytes, ttl_s: float) -> Heartbeat | None:
+        """One peer's fresh heartbeat, read from its shards at our level and the ones beside it
+        (a group member outside our sample, say), or None."""
+        view = self.view(run_id)
+        levels = range(max(0, view.level - 1), view.level + 2)
+        keys = [peers_key(run_id, lv, shard_of(run_id, key, lv)) for lv in levels]
+        found = await self.dht.get_many(keys, sufficient_expiration_time=float("inf"))
+        for lv, k in zip(levels, keys):
+            hb = self._heartbeats(run_id, found.get(k), ttl_s, lv, shard_of(run_id, key, lv)).get(key)
+            if hb is not None:
+                return hb
+        return None
+
+    def _heartbeats(self, run_id: bytes, found: Any, ttl_s: float, level: int, shard: int) -> dict[bytes, Heartbeat]:
+        """The verified, fresh heartbeats of one shard's record: public key -> heartbeat. A
+        heartbeat stored in a shard its writer does not belong to is refused (the writer picks
+        its key, not its shard: a flood of one shard costs one key each)."""
         now = self.clock()
         out: dict[bytes, Heartbeat] = {}
         for writer, value in _entries(found):
@@ -115,15 +166,25 @@ class Presence:
                 if not (now - ttl_s <= hb.sent_at <= now + CLOCK_SKEW_S):
                     raise RemoteProtocolError(f"heartbeat sent at {hb.sent_at:.0f} is not within "
                                               f"{ttl_s:.0f} s of now ({now:.0f})")
+                if shard_of(run_id, writer, level) != shard:
+                    raise RemoteProtocolError(f"heartbeat stored in shard {shard} of level {level}, not its own")
             except RemoteProtocolError as e:
                 self._reject(writer, "heartbeat", e)
                 continue
             out[writer] = hb  # type: ignore[assignment]
         return out
 
+    def estimate(self, run_id: bytes) -> float:
+        """The run's estimated size, us included, from our last read of its shards."""
+        return self.view(run_id).estimate
+
     # --- the public list of runs -------------------------------------------------------
 
     async def advertise(self, ad: RunAdvertised, ttl_s: float) -> bool:
+        """Put the run in the public list, if we are one of its advertisers (``peer.shards``:
+        about ``shard_target`` peers of a large run are; all of a small one)."""
+        if not self.view(ad.run_id).advertises():
+            return True
         return await self.dht.store(RUNS_KEY, seal(ad, self.identity), self.clock() + ttl_s,
                                     subkey=ad.run_id + self.identity.public_key)
 

@@ -57,7 +57,7 @@ class CatchUpMixin:
         # creator; one peer alone only in a swarm of two (globalstate.vouchers_needed). The
         # view counts peers whose heartbeat is still fresh: a short DHT read under load must not
         # shrink the swarm to two and let a lone liar be believed
-        need = vouchers_needed(len(self._peers.keys() | peers.keys()))
+        need = vouchers_needed(max(len(self._peers.keys() | peers.keys()), self._run_size() - 1))
         choice = choose_digest(ahead, min_vouchers=need, trusted=self._trusted)
         claims = set(ahead.values()) - self._refused_claims
         if claims and choice is None:

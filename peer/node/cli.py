@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=1, help="held-out loss every N full rounds (0: never)")
     ap.add_argument("--gpus", type=int, help="processes to train on, one per GPU (on CPU, gloo processes); "
                                              "default: the settings file's compute.gpus (1)")
+    ap.add_argument("--shard-target", type=int, default=None,
+                    help="heartbeats per DHT shard of the run's presence (default 32; for tests and benchmarks)")
     ap.add_argument("--log-level")
     args = ap.parse_args(argv)
     init_logging(args.log_level)
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         processes = args.gpus if args.gpus is not None else (settings.compute.gpus if settings else 1)
         if not 1 <= processes <= 64:
             raise ConfigError(f"--gpus must be in 1..64, got {processes}")
+        if args.shard_target is not None and not 1 <= args.shard_target <= 4096:
+            raise ConfigError(f"--shard-target must be in 1..4096 peers, got {args.shard_target}")
         from peer.node import replicas
 
         if processes > 1 and not replicas.under_torchrun():
@@ -138,7 +142,8 @@ def _run_node(args, replicas=None) -> int:
                      initial_peers=tuple(initial), device=args.device, max_rounds=args.rounds,
                      checkpoint_every_s=args.checkpoint_every, min_peers=args.min_peers, control_path=control,
                      settings_path=args.settings or paths.settings_path(), wait_for_confirm=args.wait_for_confirm,
-                     reachability=args.reachability, eval_every_rounds=args.eval_every, replicas=replicas)
+                     reachability=args.reachability, eval_every_rounds=args.eval_every, replicas=replicas,
+                     **({"shard_target": args.shard_target} if args.shard_target is not None else {}))
 
     def print_event(ev: dict) -> None:
         try:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peer.shards import SHARD_TARGET
 from peer.worker import Worker
 
 log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
@@ -68,6 +69,9 @@ class NodeConfig:
     """Start paused until the volunteer confirms, if the settings say they have not yet."""
     replicas: Any = None
     """Rank 0's handle on the other processes of a multi-device node (``peer.node.replicas``)."""
+    shard_target: int = SHARD_TARGET
+    """Heartbeats per DHT shard of the run's presence (``peer.shards``); small values, for
+    tests and benchmarks, make a few peers behave as a large run does."""
 
 
 @dataclass(slots=True)

@@ -105,6 +105,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
         self._pipeline: SyncPipeline | None = None  # the fragment syncs in flight (run() makes it)
         # what the dashboard sees on subscribing
         self._peers: dict[bytes, Heartbeat] = {}
+        self._presence_level = 0  # of our shards of the run's presence (peer.shards), as last logged
         self._peers_future: Any = None
         self._reconnecting: Any = None
         self._relay_routes: dict[str, list[str]] = {}  # peer ID -> its circuit addresses (peers behind NAT)
@@ -130,7 +131,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             raise
         try:
             assert self.net.dht is not None and self.net.p2p is not None
-            self.presence = Presence(self.net.dht, self.identity)
+            self.presence = Presence(self.net.dht, self.identity, shard_target=cfg.shard_target)
             if manifest_bytes is not None:
                 self.signed = open_manifest(manifest_bytes, run_id=run_id)
                 self.manifest_bytes = manifest_bytes

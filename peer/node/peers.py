@@ -10,7 +10,7 @@ import time
 
 from peer import conditions
 from protocol import __version__
-from protocol.identity import peer_id_from_public_key
+from protocol.identity import peer_id_from_public_key, public_key_from_peer_id
 from protocol.messages_control import (
     PeerJoined,
     PeerLeft,
@@ -44,8 +44,15 @@ class PeersMixin:
     def _update_peers(self, live: dict[bytes, Heartbeat]) -> None:
         """Take a read of the run's heartbeats as the new view. A peer leaves the view when its
         last heartbeat expires, not when one read misses it: a DHT read under load can come back
-        short or empty, and that is no reason to show every peer as gone."""
+        short or empty, and that is no reason to show every peer as gone. In a large run the
+        read is a sample (``peer.shards``): peers come and go from it as shards are drawn, so
+        joins and departures are told only while the view is whole."""
         now = time.time()
+        view = self.presence.view(self.run_id)
+        whole = view.whole()
+        if view.level != self._presence_level:
+            self._presence_level = view.level
+            log.info("presence level=%d estimate=%.0f seen=%d (peer.shards)", view.level, view.estimate, len(live))
         ttl = self.signed.manifest.swarm.heartbeat_ttl_s if self.signed else 0.0
         live = {k: hb for k, hb in live.items() if k != self.identity.public_key}
         for k, hb in self._peers.items():
@@ -54,10 +61,10 @@ class PeersMixin:
         for k, hb in live.items():
             self._clock.observe(k, hb.sent_at, hb.tokens, hb.state, hb.tokens_per_s)
         self._clock.forget(self._peers.keys() - live.keys())
-        for k in self._peers.keys() - live.keys():
+        for k in self._peers.keys() - live.keys() if whole else ():
             self._remember(PeerLeft(at=now, peer_id=peer_id_from_public_key(k), reason="heartbeat expired"))
         for k, hb in live.items():
-            if k not in self._peers:
+            if k not in self._peers and whole:
                 self._remember(PeerJoined(at=now, peer_id=peer_id_from_public_key(k), device=hb.device))
             self._emit(self._peer_row(k, hb, now))
         # peers nobody can dial, and the relays that reach them (not through ourselves)
@@ -69,14 +76,29 @@ class PeersMixin:
     def _expected_joiners(self, fragment: int, round_: int) -> set[bytes]:
         """The other peers we expect to join ``round_`` of ``fragment`` (``Matchmaker.expected``):
         every live one, by its heartbeat (one that is paused, behind or downloading will not
-        come, and then the batch window runs as before: every peer that knows it waits alike)."""
-        return set(self._peers)
+        come, and then the batch window runs as before: every peer that knows it waits alike).
+        None in a large run, where we see a sample (``peer.shards``): the window runs."""
+        return set(self._peers) if self.presence.view(self.run_id).whole() else set()
+
+    def _run_size(self) -> int:
+        """Peers in the run, us included: those we see, or the shards' estimate in a large run."""
+        seen = len(self._peers.keys() - {self.identity.public_key}) + 1
+        presence, run_id = getattr(self, "presence", None), getattr(self, "run_id", None)
+        if presence is None or run_id is None or presence.view(run_id).whole():
+            return seen  # (asked before the network is up, too: the control socket starts first)
+        return max(seen, round(presence.estimate(run_id)))
 
     async def _reconnect_relayed(self, peer_id: str) -> bool:
         """The averager could not open a stream to ``peer_id``: if it is behind a NAT, connect
         to it through its relays. Only on such a failure: dialing circuits on every heartbeat
-        put libp2p dial backoffs on the relays and dropped group members."""
+        put libp2p dial backoffs on the relays and dropped group members. A peer outside our
+        sample of a large run (``peer.shards``): its heartbeat is read from its own shard."""
         routes = self._relay_routes.get(peer_id)
+        if routes is None:
+            hb = await self.presence.heartbeat_of(self.run_id, public_key_from_peer_id(peer_id),
+                                                  self.signed.manifest.swarm.heartbeat_ttl_s)
+            me = f"/p2p/{self.identity.peer_id}/p2p-circuit"
+            routes = [m for m in hb.maddrs if "/p2p-circuit" in m and me not in m] if hb and not hb.reachable else []
         if not routes:
             return False
         ok = await self.net.connect_relayed(peer_id, routes)
@@ -123,7 +145,7 @@ class PeersMixin:
                        device=self._device_name() or "none")
         self.net.submit(self.presence.announce(hb, swarm.heartbeat_ttl_s))
         ad = RunAdvertised(run_id=self.run_id, sent_at=now, name=self.signed.manifest.name,
-                           num_params=self.signed.manifest.train.model.num_params(), peers=len(self._peers) + 1,
+                           num_params=self.signed.manifest.train.model.num_params(), peers=self._run_size(),
                            step=step)
         self.net.submit(self.presence.advertise(ad, swarm.heartbeat_ttl_s))
 

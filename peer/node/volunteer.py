@@ -98,7 +98,7 @@ class VolunteerMixin:
             step=w.step if w else self._last_step(), tokens=c.tokens_trained if c else 0,
             tokens_per_s=self._tokens_per_s(),
             loss=st.losses[-1][1] if st.losses else None, heldout_loss=st.heldout[-1][1] if st.heldout else None,
-            peers=len(self._peers) + 1, rounds_done=min(st.rounds, default=0), upload_bps=up * 8,
+            peers=self._run_size(), rounds_done=min(st.rounds, default=0), upload_bps=up * 8,
             download_bps=down * 8, uptime_s=time.time() - self.started_at, device=self._device_name(),
             reachability=self.reachability(),
             inner_step_s=sum(st.step_times) / len(st.step_times) if st.step_times else 0.0,

@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import signal
 import time
 
@@ -289,3 +290,28 @@ def test_a_peer_at_a_third_of_the_speed_averages_in_the_others_groups_with_the_s
           f"fast peers: {[s['steps_trained'] for s in fast]} steps trained")
     assert slow["steps_skipped"] > 0, "the slow peer never started a sync when the others did"
     assert slow["steps_trained"] < 0.8 * min(s["steps_trained"] for s in fast)  # it trained fewer steps
+
+
+def test_a_run_whose_presence_is_sharded_trains_as_one_and_estimates_its_size(tmp_path, demos):
+    """With a shard target of one peer, four nodes behave as a run of thousands does
+    (peer.shards): they move up to levels where each reads a sample of the run's heartbeats,
+    and still find each other, average as one group, land one result and estimate their number."""
+    events = Events()
+    demo = Demo(4, rounds=None, workdir=tmp_path, on_event=events,
+                args={i: ["--shard-target", "1"] for i in range(4)},
+                envs={i: {"SWARMSTREAM_LOG": "INFO"} for i in range(4)})
+    demos.append(demo)
+    demo.start()
+    events.wait_for(lambda i, ev: ev.get("event") == "synced" and ev["fragment"] == 1 and ev["round"] == 2,
+                    timeout=300)
+    finish_after_a_clean_round(demo, events, 4, 300, "the four peers never averaged as one group")
+    summary = demo.wait()
+    assert summary["errors"] == [] and summary["finished"] == 4
+    clean = clean_rounds(events.drain(), 4)
+    assert clean and all(len(d) == 1 for d in clean.values()), f"a group landed different results: {clean}"
+    for i in range(4):
+        log = (tmp_path / f"peer{i}.log").read_text()
+        levels = [(int(m.group(1)), float(m.group(2)))
+                  for m in re.finditer(r"presence level=(\d+) estimate=([\d.]+)", log)]
+        assert levels and max(lv for lv, _ in levels) >= 1, f"peer {i} never sharded its presence: {levels}"
+        assert all(1 <= est <= 16 for lv, est in levels if lv >= 1), f"peer {i} estimated {levels}"
