@@ -107,8 +107,9 @@ class ShardView:
                 self.estimate, self.level = 1.0, 0
                 return
             # each level's count, scaled by its shards, undercounts whoever does not write
-            # there: the largest is the run's size; counts of a few (at high levels) are noise
-            sure = {lv: c for lv, c in found.items() if c >= max(3, self.target / 2)} or \
+            # there: the largest is the run's size; counts below the target (at high levels)
+            # are noise that the scaling multiplies
+            sure = {lv: c for lv, c in found.items() if c >= max(3, self.target)} or \
                 {max(found, key=found.get): max(found.values())}
             self.estimate = float(max(c << lv for lv, c in sure.items()))
             fit = max(min(found), min(max(found), self._fit(self.estimate)))
