@@ -79,6 +79,17 @@ def last_landings_shared(events, peers: tuple[int, ...]) -> bool:
     return True
 
 
+def run_until_four_average_as_one(demo, events, demos) -> dict:
+    """Start four peers, run at least 3 rounds and until all four averaged as one group from
+    one copy (load decides how many rounds that takes), finish them: -> the demo's summary."""
+    demos.append(demo)
+    demo.start()
+    events.wait_for(lambda i, ev: ev.get("event") == "synced" and ev["fragment"] == 1 and ev["round"] == 2,
+                    timeout=300)
+    finish_after_a_clean_round(demo, events, 4, 300, "the four peers never averaged as one group")
+    return demo.wait()
+
+
 def test_four_peers_agree_bit_for_bit_every_round_and_track_the_simulation(tmp_path, demos):
     """On a busy machine a peer may reach a sync more than the matchmaking gap after the others
     and average alone (or be dropped from a slow all-reduce); the protocol allows that and
@@ -88,12 +99,7 @@ def test_four_peers_agree_bit_for_bit_every_round_and_track_the_simulation(tmp_p
     without one."""
     events = Events()
     demo = Demo(4, rounds=None, workdir=tmp_path, on_event=events)
-    demos.append(demo)
-    demo.start()
-    events.wait_for(lambda i, ev: ev.get("event") == "synced" and ev["fragment"] == 1 and ev["round"] == 2,
-                    timeout=300)
-    finish_after_a_clean_round(demo, events, 4, 300, "the four peers never averaged as one group")
-    summary = demo.wait()
+    summary = run_until_four_average_as_one(demo, events, demos)
     assert summary["errors"] == [] and summary["finished"] == 4 and summary["rounds"] >= 2
     seen = events.drain()
     clean = clean_rounds(seen, 4)
@@ -300,12 +306,7 @@ def test_a_run_whose_presence_is_sharded_trains_as_one_and_estimates_its_size(tm
     demo = Demo(4, rounds=None, workdir=tmp_path, on_event=events,
                 args={i: ["--shard-target", "1"] for i in range(4)},
                 envs={i: {"SWARMSTREAM_LOG": "INFO"} for i in range(4)})
-    demos.append(demo)
-    demo.start()
-    events.wait_for(lambda i, ev: ev.get("event") == "synced" and ev["fragment"] == 1 and ev["round"] == 2,
-                    timeout=300)
-    finish_after_a_clean_round(demo, events, 4, 300, "the four peers never averaged as one group")
-    summary = demo.wait()
+    summary = run_until_four_average_as_one(demo, events, demos)
     assert summary["errors"] == [] and summary["finished"] == 4
     clean = clean_rounds(events.drain(), 4)
     assert clean and all(len(d) == 1 for d in clean.values()), f"a group landed different results: {clean}"
