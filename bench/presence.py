@@ -6,11 +6,13 @@ Two parts:
 - **real**: N hivemind DHT nodes in this process (each its own libp2p daemon, on 127.0.0.1),
   each with a ``peer.presence.Presence`` as a node has. Every interval each one announces its
   heartbeat and reads its view of the run, all at once, as nodes do every
-  ``heartbeat_interval_s`` (here as fast as 2 cores manage, so heartbeats live an hour). Per
-  node and interval, averaged over every interval but the first (a node probes every level
-  at its first read and every 7th, and those count): the heartbeat bytes its reads returned
-  (the records' values as stored: what the DHT hands back to it) and its stores; at the last
-  interval, how many of the others it saw and how far its estimate of N is off.
+  ``heartbeat_interval_s`` (here as fast as 2 cores manage; a heartbeat lives 4.5 times the
+  last interval, as a run's 45 s do its 10 s, so records a node left at another level
+  expire as they would). Per node and interval, averaged over every interval but the first
+  (a node probes every level at its first read and every 7th: one probe in the average, as
+  in every 7 reads): the heartbeat bytes its reads returned (the records' values as stored:
+  what the DHT hands back to it, stale ones too) and its stores; at the last interval (not a
+  probe), how many of the others it saw and how far its estimate of N is off.
   ``one key`` is a shard target no run reaches (every heartbeat under the run's one key, as
   before the shards); ``sharded`` is ``--target`` (8 by default here, so that 128 nodes
   spread over levels as 4,000 would at the real target of 32).
@@ -90,6 +92,7 @@ async def real_run(n: int, target: int, intervals: int, seed: int) -> dict:
         counters = [Counting(d) for d in nodes]
         pres = [Presence(c, ident, shard_target=target) for c, ident in zip(counters, ids)]
         rows = []
+        ttl = 120.0
         for t in range(intervals):
             for c in counters:
                 c.read_bytes = c.stores = 0
@@ -99,8 +102,8 @@ async def real_run(n: int, target: int, intervals: int, seed: int) -> dict:
                              maddrs=(f"/ip4/203.0.113.{i % 250}/tcp/31337/p2p/{ident.peer_id}",),
                              client="swarmstream/bench", device="cpu") for i, ident in enumerate(ids)]
             t0 = time.monotonic()
-            await asyncio.gather(*(p.announce(hb, 3600.0) for p, hb in zip(pres, hbs)))
-            seen = await asyncio.gather(*(p.peers(run_id, 3600.0) for p in pres))
+            await asyncio.gather(*(p.announce(hb, ttl) for p, hb in zip(pres, hbs)))
+            seen = await asyncio.gather(*(p.peers(run_id, ttl) for p in pres))
             rows.append({
                 "interval": t, "seconds": time.monotonic() - t0,
                 "read_kb": statistics.mean(c.read_bytes for c in counters) / 1e3,
@@ -111,7 +114,8 @@ async def real_run(n: int, target: int, intervals: int, seed: int) -> dict:
                 "estimate_low": min(p.estimate(run_id) for p in pres) / n,
                 "estimate_high": max(p.estimate(run_id) for p in pres) / n,
             })
-        steady = rows[1:] or rows
+            ttl = max(120.0, 4.5 * rows[-1]["seconds"])
+        steady = rows[1:8] or rows  # intervals 1..7: the 7th read of each node is a probe
         return rows[-1] | {"read_kb": statistics.mean(r["read_kb"] for r in steady),
                            "read_kb_max": max(r["read_kb_max"] for r in steady),
                            "seconds": statistics.mean(r["seconds"] for r in steady), "per_interval": rows}
@@ -124,7 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--real", default="32,64,128", help="real DHT node counts (comma-separated; '' for none)")
     ap.add_argument("--target", type=int, default=8, help="the shard target of the real runs' sharded rows")
-    ap.add_argument("--intervals", type=int, default=8, help="heartbeat intervals per real run (the last is measured)")
+    ap.add_argument("--intervals", type=int, default=9, help="heartbeat intervals per real run (9: probes at 0 and 7)")
     ap.add_argument("--model-max", type=int, default=10_000, help="largest run of the model part")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
