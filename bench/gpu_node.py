@@ -5,7 +5,8 @@ Starts N real nodes (``python -m peer.node``, as ``swarmstream demo`` does) on o
 ``--device cuda`` (or another device), lets them average a few rounds, then pauses peer 0
 through its control socket and reads the GPU memory each node process holds (nvidia-smi) before
 the pause, while paused, and after it resumed (with ``--gpus N``, each node is N processes,
-one per GPU, and the memory is the most one of them holds). Checks that the peers' global
+one per GPU, and the memory is the most one of them holds; ``--sharding fsdp`` splits the model
+over them, ``ddp`` copies it). Checks that the peers' global
 copies agree at the end. Prints a table and writes JSON (machine, commit).
 
     python bench/gpu_node.py --device cuda --preset 150m --peers 2 --rounds 3
@@ -101,6 +102,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="--no-swarm: timed inner steps")
     ap.add_argument("--fragments", type=int, default=2)
     ap.add_argument("--gpus", type=int, default=1, help="processes (GPUs) per node (peer.node --gpus)")
+    ap.add_argument("--sharding", choices=("auto", "ddp", "fsdp"), default="auto",
+                    help="with --gpus N > 1: how each node splits its training (peer.node --sharding)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     return one_worker(args) if args.no_swarm else swarm(args)
@@ -132,7 +135,8 @@ def swarm(args: argparse.Namespace) -> int:
                 synced.append((time.monotonic(), i, ev))
 
     demo = Demo(args.peers, rounds=None, workdir=work, on_event=on_event, manifest=manifest, device=args.device,
-                args={i: ["--gpus", str(args.gpus)] for i in range(args.peers)} if args.gpus > 1 else None)
+                args={i: ["--gpus", str(args.gpus), "--sharding", args.sharding] for i in range(args.peers)}
+                if args.gpus > 1 else None)
     t0 = time.monotonic()
     demo.start()
     sock = demo.control_path(0)
@@ -167,7 +171,7 @@ def swarm(args: argparse.Namespace) -> int:
         st = statuses[i]
         rows.append({
             "peer": i, "device": st.device, "tokens_per_s": st.tokens_per_s, "step_ms": st.inner_step_s * 1e3,
-            "gpus": args.gpus, "mem_training_mib": per_gpu(mem_training, pid),
+            "gpus": args.gpus, "sharding": args.sharding if args.gpus > 1 else "-", "mem_training_mib": per_gpu(mem_training, pid),
             "mem_paused_mib": per_gpu(mem_paused, pid) if i == 0 else -1,
             "mem_resumed_mib": per_gpu(mem_resumed, pid), "rounds": demo.summaries.get(i, {}).get("rounds", -1),
             "heldout": demo.summaries.get(i, {}).get("heldout_loss", float("nan")),
@@ -176,7 +180,7 @@ def swarm(args: argparse.Namespace) -> int:
           f"batch {args.batch_size}x{train.model.seq_len}, H={args.inner_steps}; wall {wall:.0f} s; "
           f"global copies agree: {summary['global_copies_agree']}; paused device: {paused.device!r}")
     print_table(rows, [("peer", "peer", "d"), ("device", "device", "s"), ("gpus", "GPUs", "d"),
-                       ("tokens_per_s", "tokens/s", ",.0f"),
+                       ("sharding", "sharding", "s"), ("tokens_per_s", "tokens/s", ",.0f"),
                        ("step_ms", "step ms", ".1f"), ("mem_training_mib", "MiB/GPU training", "d"),
                        ("mem_paused_mib", "MiB paused", "d"), ("mem_resumed_mib", "MiB resumed", "d"),
                        ("rounds", "rounds", "d"), ("heldout", "held-out", ".4f")])

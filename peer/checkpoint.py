@@ -92,22 +92,22 @@ def checkpoint_exists(path: str | os.PathLike) -> bool:
 
 # --- what a checkpoint holds ------------------------------------------------------------------
 
-def _tensors(worker: Worker, sampler: ShardSampler) -> dict[str, torch.Tensor]:
+def _tensors(worker: Worker, sampler: ShardSampler) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The tensors of a checkpoint, and AdamW's step count for each parameter it holds moments of."""
     out: dict[str, torch.Tensor] = {}
-    for name, p in worker.model.named_parameters():
-        out[f"model/{name}"] = p.detach().cpu()
-    for i, p in enumerate(worker.model.parameters()):
-        st = worker.opt.state.get(p, {})
-        if "exp_avg" in st:
-            out[f"adam/{i}/exp_avg"] = st["exp_avg"].detach().cpu()
-            out[f"adam/{i}/exp_avg_sq"] = st["exp_avg_sq"].detach().cpu()
+    weights, adam = worker.local_state()
+    for name, t in weights.items():
+        out[f"model/{name}"] = t
+    for i, (_, exp_avg, exp_avg_sq) in adam.items():
+        out[f"adam/{i}/exp_avg"] = exp_avg
+        out[f"adam/{i}/exp_avg_sq"] = exp_avg_sq
     for f, frag in enumerate(worker.outer):
         out[f"global/{f}"] = frag.global_flat.detach()
         buf = frag.opt.state.get(frag.global_flat, {}).get("momentum_buffer")
         if buf is not None:
             out[f"outer_momentum/{f}"] = buf.detach()
     out["sampler"] = sampler.state()
-    return {k: v.contiguous() for k, v in out.items()}
+    return {k: v.contiguous() for k, v in out.items()}, {str(i): int(step) for i, (step, _, _) in adam.items()}
 
 
 def _layout(worker: Worker, sampler: ShardSampler) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]],
@@ -215,14 +215,12 @@ def save_checkpoint(path: str | os.PathLike, worker: Worker, sampler: ShardSampl
 def _snapshot(path: Path, worker: Worker, sampler: ShardSampler, run_id: bytes,
               rounds: list[int]) -> tuple[dict[str, torch.Tensor], dict]:
     """The tensors and meta.json (less its checksum) of a checkpoint, checked as a load would."""
-    tensors = _tensors(worker, sampler)
+    tensors, adam_steps = _tensors(worker, sampler)
     try:
         _check_values(tensors)
     except _Unusable as e:
         kept = "the saved checkpoint is kept" if checkpoint_exists(path) else "nothing was saved"
         raise NonFiniteState(f"refusing to save a broken model at step {worker.step}: {e.reason}; {kept}") from None
-    adam_steps = {str(i): int(worker.opt.state[p]["step"]) for i, p in enumerate(worker.model.parameters())
-                  if f"adam/{i}/exp_avg" in tensors}
     meta = {"format": FORMAT, "run_id": run_id.hex(), "step": worker.step, "tokens": worker.tokens,
             "rounds": list(rounds), "tokens_since_sync": list(worker.tokens_since_sync),
             "adam_steps": adam_steps, "sha256": "0" * 64}  # the real hash is of the file as written
@@ -378,16 +376,13 @@ def load_checkpoint(path: str | os.PathLike, worker: Worker, sampler: ShardSampl
 def _apply(ckpt: _Verified, worker: Worker, sampler: ShardSampler) -> None:
     """Everything is checked: now change the worker (nothing here can fail on the checkpoint's data)."""
     meta, tensors = ckpt.meta, ckpt.tensors
+    names = [name for name, _ in worker.model.named_parameters()]
+    # format 1 may lack a count: the run's step is the best guess
+    worker.load_local_state({n: tensors[f"model/{n}"] for n in names},
+                            {i: (float(meta["adam_steps"].get(str(i), meta["step"])), tensors[f"adam/{i}/exp_avg"],
+                                 tensors[f"adam/{i}/exp_avg_sq"])
+                             for i in range(len(names)) if f"adam/{i}/exp_avg" in tensors})
     with torch.no_grad():
-        for name, p in worker.model.named_parameters():
-            p.copy_(tensors[f"model/{name}"])
-        for i, p in enumerate(worker.model.parameters()):
-            if f"adam/{i}/exp_avg" in tensors:
-                worker.opt.state[p] = {
-                    # format 1 may lack a count: the run's step is the best guess
-                    "step": torch.tensor(float(meta["adam_steps"].get(str(i), meta["step"]))),
-                    "exp_avg": tensors[f"adam/{i}/exp_avg"].to(p.device),
-                    "exp_avg_sq": tensors[f"adam/{i}/exp_avg_sq"].to(p.device)}
         for f, frag in enumerate(worker.outer):
             frag.load(tensors[f"global/{f}"], tensors.get(f"outer_momentum/{f}"))
     sampler.set_state(tensors["sampler"])

@@ -30,12 +30,16 @@ def _norm64(t: torch.Tensor) -> float:
 
 
 class OuterFragment:
-    def __init__(self, params: list[torch.nn.Parameter], cfg: OuterConfig):
+    def __init__(self, params: list[torch.nn.Parameter], cfg: OuterConfig, global_flat: torch.Tensor | None = None):
+        """``global_flat``: the initial global copy (default: a copy of ``params``), owned from now."""
         self.params = params
         self.numel = sum(p.numel() for p in params)
         with torch.no_grad():
             # (N,) fp32 on CPU: the run's shared state, identical on every peer after a round
-            self.global_flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in params])
+            self.global_flat = self.local_flat() if global_flat is None else global_flat
+        if self.global_flat.shape != (self.numel,) or self.global_flat.dtype != torch.float32:
+            raise ValueError(f"a global copy of {self.numel} fp32 values expected, got {self.global_flat.dtype} "
+                             f"{tuple(self.global_flat.shape)}")
         momentum = cfg.momentum
         self.opt = torch.optim.SGD([self.global_flat], lr=cfg.lr, momentum=momentum,
                                    nesterov=cfg.nesterov and momentum > 0)

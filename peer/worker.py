@@ -81,7 +81,9 @@ def device_options(cfg: TrainConfig, device: torch.device) -> dict[str, bool]:
 
 class Worker:
     def __init__(self, cfg: TrainConfig, *, device: torch.device | str = "cpu", bf16: bool = False,
-                 checkpointing: bool = False):
+                 checkpointing: bool = False, keep_outer: bool = True):
+        """``keep_outer=False``: no global copies (a replica of a multi-device node, whose rank 0
+        keeps them for the whole node)."""
         self.cfg = cfg
         self.device = torch.device(device)
         if bf16 and self.device.type == "cpu":
@@ -90,9 +92,21 @@ class Worker:
         # every worker of a run starts from the same weights: the init is seeded by the run seed
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.data.seed)
-            self.model = Transformer(cfg.model)
-        self.model.to(self.device)
-        self.model.checkpointing = checkpointing
+            model = Transformer(cfg.model)
+        model.checkpointing = checkpointing
+        sync = cfg.sync
+        names = [n for n, _ in model.named_parameters()]
+        if sync.method == "diloco":
+            self.fragment_names = assign_fragments(dict(model.named_parameters()), cfg.model.n_layers, sync.fragments)
+            self.schedule = SyncSchedule(sync.inner_steps, sync.fragments, sync.overlap)
+        else:  # ddp: no outer optimizer, gradients are averaged every step
+            self.fragment_names, self.schedule = [], None
+        with torch.no_grad():  # (N,) fp32 CPU copies of the initial weights: the fragments' global copies
+            initial = [torch.cat([dict(model.named_parameters())[n].detach().reshape(-1).float() for n in group])
+                       for group in self.fragment_names] if keep_outer else []
+        self.model = self._place(model)
+        self.params = dict(self.model.named_parameters())
+        assert list(self.params) == names, "placing the model renamed its parameters"
         inner = cfg.inner
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
@@ -103,17 +117,18 @@ class Worker:
             **({"fused": True} if self.device.type == "cuda" else {"foreach": self.device.type != "cpu" or None}))
         self.step = 0  # completed inner steps
         self.tokens = 0  # tokens trained, all time
-        sync = cfg.sync
-        self.params = dict(self.model.named_parameters())
-        if sync.method == "diloco":
-            groups = assign_fragments(self.params, cfg.model.n_layers, sync.fragments)
-            self.outer = [OuterFragment([self.params[n] for n in names], cfg.outer) for names in groups]
-            self.fragment_names = groups
-            self.schedule = SyncSchedule(sync.inner_steps, sync.fragments, sync.overlap)
-        else:  # ddp: no outer optimizer, gradients are averaged every step
-            self.outer, self.fragment_names, self.schedule = [], [], None
+        self.outer = [self._outer_fragment(f, [self.params[n] for n in group], flat)
+                      for f, (group, flat) in enumerate(zip(self.fragment_names, initial))]
         # tokens trained since each fragment's last sync started: its contribution's weight
         self.tokens_since_sync = [0] * len(self.outer)
+
+    def _place(self, model: Transformer) -> Transformer:
+        """The model on this worker's device (a sharded worker shards it first)."""
+        return model.to(self.device)
+
+    def _outer_fragment(self, fragment: int, params: list[torch.nn.Parameter], global_flat: torch.Tensor
+                        ) -> OuterFragment:
+        return OuterFragment(params, self.cfg.outer, global_flat=global_flat)
 
     def _autocast(self):
         if not self.bf16:
@@ -149,10 +164,7 @@ class Worker:
     def optimizer_step(self) -> float:
         """Clip, AdamW step at the scheduled lr, clear grads; returns the gradient norm."""
         inner = self.cfg.inner
-        if inner.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), inner.grad_clip).item()
-        else:
-            norm = math.sqrt(sum(float(p.grad.float().pow(2).sum()) for p in self.model.parameters()))
+        norm = self._clip_gradients(inner.grad_clip)
         lr = lr_at(self.step, inner)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -160,6 +172,12 @@ class Worker:
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         return norm
+
+    def _clip_gradients(self, max_norm: float) -> float:
+        """Scale the gradients to at most ``max_norm`` (0: no clipping); returns their norm."""
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        return math.sqrt(sum(float(p.grad.float().pow(2).sum()) for p in self.model.parameters()))
 
     def begin_sync(self, fragment: int) -> tuple[torch.Tensor, int]:
         """This worker's pseudo-gradient for ``fragment`` and its weight (tokens it covers)."""
@@ -205,9 +223,38 @@ class Worker:
             offset = 0
             for n in names:
                 p = self.params[n]
-                out[n] = frag.global_flat[offset: offset + p.numel()].view_as(p).clone()
+                out[n] = frag.global_flat[offset: offset + p.numel()].view(p.shape).clone()
                 offset += p.numel()
         return out
+
+    # -- the local state as plain CPU tensors: what a checkpoint holds ---------------------
+
+    def local_state(self) -> tuple[dict[str, torch.Tensor], dict[int, tuple[float, torch.Tensor, torch.Tensor]]]:
+        """The local weights by name, and AdamW's state by parameter index (its step count,
+        exp_avg, exp_avg_sq; absent before the first step), on the CPU."""
+        weights = {n: p.detach().cpu() for n, p in self.model.named_parameters()}
+        adam = {}
+        for i, p in enumerate(self.model.parameters()):
+            st = self.opt.state.get(p, {})
+            if "exp_avg" in st:
+                adam[i] = (float(st["step"]), st["exp_avg"].detach().cpu(), st["exp_avg_sq"].detach().cpu())
+        return weights, adam
+
+    @torch.no_grad()
+    def load_local_state(self, weights: dict[str, torch.Tensor],
+                         adam: dict[int, tuple[float, torch.Tensor, torch.Tensor]]) -> None:
+        """local weights and AdamW state <- what ``local_state`` returned (checked by the caller)."""
+        for name, p in self.model.named_parameters():
+            p.copy_(weights[name])
+        fused = bool(self.opt.defaults.get("fused"))  # a fused AdamW keeps its step counts on the device
+        for i, p in enumerate(self.model.parameters()):
+            if i in adam:
+                step, exp_avg, exp_avg_sq = adam[i]
+                self.opt.state[p] = {"step": torch.tensor(float(step), device=p.device if fused else "cpu"),
+                                     "exp_avg": exp_avg.to(p.device),
+                                     "exp_avg_sq": exp_avg_sq.to(p.device)}
+            else:
+                self.opt.state.pop(p, None)
 
 
 @torch.no_grad()

@@ -205,6 +205,8 @@ def _start_node(args: argparse.Namespace, what: str, run_id: bytes, *, address: 
     extra = ["--initial-peers", *args.initial_peers] + (["--device", args.device] if args.device else [])
     if args.gpus is not None:
         extra += ["--gpus", str(args.gpus)]
+    if args.sharding is not None:
+        extra += ["--sharding", args.sharding]
     if args.rounds is not None:
         extra += ["--rounds", str(args.rounds)]
     verb = "hosting" if manifest is not None else "joining"
@@ -349,6 +351,9 @@ def add_swarm_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N, mps (default: your settings)")
     p.add_argument("--gpus", type=int, help="train on N GPUs of this machine (default: your settings' "
                                             "compute.gpus, 1)")
+    p.add_argument("--sharding", choices=("auto", "ddp", "fsdp"),
+                   help="with --gpus: ddp (a whole model a GPU) or fsdp (the model split over them); "
+                        "default auto: fsdp where a GPU cannot hold the model for ddp")
     p.add_argument("--identity", type=Path, help="key file (default: your swarmstream identity)")
     p.add_argument("--data-dir", type=Path, help="checkpoint folder (default: your swarmstream data dir)")
     p.set_defaults(func=cmd_join)
@@ -369,6 +374,9 @@ def add_swarm_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N, mps (default: your settings)")
     p.add_argument("--gpus", type=int, help="train on N GPUs of this machine (default: your settings' "
                                             "compute.gpus, 1)")
+    p.add_argument("--sharding", choices=("auto", "ddp", "fsdp"),
+                   help="with --gpus: ddp (a whole model a GPU) or fsdp (the model split over them); "
+                        "default auto: fsdp where a GPU cannot hold the model for ddp")
     p.add_argument("--identity", type=Path, help="key file (default: your swarmstream identity)")
     p.add_argument("--data-dir", type=Path, help="checkpoint folder (default: your swarmstream data dir)")
     p.set_defaults(func=cmd_host)

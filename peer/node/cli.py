@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=1, help="held-out loss every N full rounds (0: never)")
     ap.add_argument("--gpus", type=int, help="processes to train on, one per GPU (on CPU, gloo processes); "
                                              "default: the settings file's compute.gpus (1)")
+    ap.add_argument("--sharding", choices=("auto", "ddp", "fsdp"), default="auto",
+                    help="with --gpus N > 1: ddp keeps the whole model on each GPU; fsdp shards weights, "
+                         "gradients and AdamW state over them (for a model too big for one); auto: fsdp "
+                         "where ddp would not fit a GPU")
     ap.add_argument("--shard-target", type=int, default=None,
                     help="heartbeats per DHT shard of the run's presence (default 32; for tests and benchmarks)")
     ap.add_argument("--log-level")
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             os.execv(cmd[0], cmd)
         if replicas.under_torchrun() and replicas.rank() > 0:
             return replicas.follow(device)
-        return _run_node(args, replicas.start(_device(device)) if replicas.under_torchrun() else None)
+        return _run_node(args, replicas.start(_device(device), args.sharding) if replicas.under_torchrun() else None)
     except KeyboardInterrupt:  # a second Ctrl+C: out at once; the last checkpoint stays as it was
         print("swarmstream: stopped at once (second Ctrl+C); the round in flight is not contributed, "
               "the last checkpoint is kept", file=sys.stderr)

@@ -18,6 +18,10 @@ commands, broadcast before each collective:
 So the node's inner step covers N times the rows at the cost of one, and everything the swarm
 sees (weights, tokens, pseudo-gradients) is what a single process training the same batch would
 produce, up to the order of floating-point sums.
+
+That is DDP (``ReplicatedWorker``): every process holds the whole model. A model that does not
+fit one device is sharded instead (``--sharding fsdp``, or ``auto``): ``peer.node.sharded``,
+the same commands and a few more (``GroupWorker`` is what the two share).
 """
 
 from __future__ import annotations
@@ -100,20 +104,26 @@ def _die_with_parent() -> None:
         pass
 
 
-class ReplicatedWorker(Worker):
-    """A ``Worker`` whose inner steps run on every process of the group (see the module
-    docstring); the same class on rank 0, which commands, and on the replicas, which follow."""
+class GroupWorker(Worker):
+    """What the DDP and FSDP workers share: an inner step on every process of the group (the
+    same class on rank 0, which commands, and on the replicas, which follow). Only rank 0 keeps
+    the fragments' global copies."""
 
     def __init__(self, cfg: TrainConfig, *, device: torch.device, bf16: bool = False, checkpointing: bool = False):
-        super().__init__(cfg, device=device, bf16=bf16, checkpointing=checkpointing)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if cfg.inner.batch_size % self.world:
             raise ConfigError(f"the run's batch of {cfg.inner.batch_size} sequences does not split over "
                               f"{self.world} processes; use a --gpus that divides it")
-        # the module's weights as they are here are broadcast from rank 0 by DDP itself
-        self.ddp = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        super().__init__(cfg, device=device, bf16=bf16, checkpointing=checkpointing, keep_outer=self.rank == 0)
 
-    # -- rank 0: what the node calls ------------------------------------------------------
+    def _module(self) -> torch.nn.Module:
+        """What the forward pass calls (DDP's wrapper, or the sharded model itself)."""
+        return self.model
+
+    def _grad_sync(self, last: bool):
+        """A context for one micro-batch's backward: the gradients are averaged over the group
+        at the last one only."""
+        raise NotImplementedError
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         whole = torch.stack([torch.stack([x, y]) for x, y in batches])  # (micro, 2, batch, seq)
@@ -123,6 +133,60 @@ class ReplicatedWorker(Worker):
         # our step too: the replicas' learning rate follows it (a catch-up moves it on)
         _send(STEP, tuple(whole.shape), self.step)
         return self._step(whole)
+
+    def _rows(self, batch: int) -> slice:
+        return slice(self.rank * batch // self.world, (self.rank + 1) * batch // self.world)
+
+    def _step(self, whole: torch.Tensor) -> float:
+        """Forward and backward on our rows of every micro-batch; the gradients are averaged at
+        the last backward. Counts the whole batch's tokens (the node's contribution)."""
+        whole = whole.to(self.device)
+        dist.broadcast(whole, 0)
+        micro, _, batch, _ = whole.shape
+        rows = self._rows(batch)
+        module = self._module()
+        self.model.train()
+        total = torch.zeros((), device=self.device)
+        for i in range(micro):
+            x, y = whole[i, 0, rows], whole[i, 1, rows]
+            with self._grad_sync(i == micro - 1):
+                with self._autocast():
+                    _, loss = module(x, y)
+                (loss / micro).backward()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        tokens = int(whole[:, 1].numel())
+        self.tokens += tokens
+        self.tokens_since_sync = [t + tokens for t in self.tokens_since_sync]
+        return float(total) / micro / self.world
+
+    def _fragment_params(self, fragment: int) -> list[torch.Tensor]:
+        return [self.params[n] for n in self.fragment_names[fragment]]
+
+    def follow(self, op: int, args: tuple) -> None:
+        if op == STEP:
+            self._step(torch.empty(args[0], dtype=torch.int64))
+            self.step = args[1]
+            self.optimizer_step()
+        else:
+            raise RuntimeError(f"replica: unexpected command {op}")
+
+
+class ReplicatedWorker(GroupWorker):
+    """DDP: every process holds the whole model and its AdamW state (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, *, device: torch.device, bf16: bool = False, checkpointing: bool = False):
+        super().__init__(cfg, device=device, bf16=bf16, checkpointing=checkpointing)
+        # the module's weights as they are here are broadcast from rank 0 by DDP itself
+        self.ddp = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def _module(self) -> torch.nn.Module:
+        return self.ddp
+
+    def _grad_sync(self, last: bool):
+        return contextlib.nullcontext() if last else self.ddp.no_sync()
+
+    # -- rank 0: what the node calls ------------------------------------------------------
 
     def apply_outer(self, fragment: int, avg_delta: torch.Tensor) -> None:
         super().apply_outer(fragment, avg_delta)
@@ -137,31 +201,6 @@ class ReplicatedWorker(Worker):
         self._broadcast_state()
 
     # -- both -----------------------------------------------------------------------------
-
-    def _step(self, whole: torch.Tensor) -> float:
-        """Forward and backward on our rows of every micro-batch; DDP averages the gradients
-        at the last backward. Counts the whole batch's tokens (the node's contribution)."""
-        whole = whole.to(self.device)
-        dist.broadcast(whole, 0)
-        micro, _, batch, _ = whole.shape
-        rows = slice(self.rank * batch // self.world, (self.rank + 1) * batch // self.world)
-        self.model.train()
-        total = torch.zeros((), device=self.device)
-        for i in range(micro):
-            x, y = whole[i, 0, rows], whole[i, 1, rows]
-            with self.ddp.no_sync() if i < micro - 1 else contextlib.nullcontext():
-                with self._autocast():
-                    _, loss = self.ddp(x, y)
-                (loss / micro).backward()
-            total += loss.detach().float()
-        dist.all_reduce(total)
-        tokens = int(whole[:, 1].numel())
-        self.tokens += tokens
-        self.tokens_since_sync = [t + tokens for t in self.tokens_since_sync]
-        return float(total) / micro / self.world
-
-    def _fragment_params(self, fragment: int) -> list[torch.Tensor]:
-        return [self.params[n] for n in self.fragment_names[fragment]]
 
     @torch.no_grad()
     def _broadcast_params(self, fragment: int) -> None:
@@ -191,26 +230,31 @@ class ReplicatedWorker(Worker):
     # -- the replicas ---------------------------------------------------------------------
 
     def follow(self, op: int, args: tuple) -> None:
-        if op == STEP:
-            self._step(torch.empty(args[0], dtype=torch.int64))
-            self.step = args[1]
-            self.optimizer_step()
-        elif op == PARAMS:
+        if op == PARAMS:
             self._broadcast_params(args[0])
         elif op == STATE:
             self._broadcast_state(args[0])
         else:
-            raise RuntimeError(f"replica: unexpected command {op}")
+            super().follow(op, args)
 
 
 class Replicas:
-    """Rank 0's handle on the replicas: what the node tells them besides inner steps."""
+    """Rank 0's handle on the replicas: what the node tells them besides inner steps.
+    ``sharding``: ``ddp``, ``fsdp``, or ``auto`` (FSDP where DDP's copy of the model, its
+    gradients and AdamW state would not fit one device; ``peer.node.sharded``)."""
 
-    def __init__(self, world: int):
-        self.world = world
+    def __init__(self, world: int, sharding: str = "auto"):
+        self.world, self.sharding = world, sharding
 
-    def build(self, signed_manifest: bytes) -> None:
-        _send(BUILD, signed_manifest)
+    def build(self, signed_manifest: bytes, train: TrainConfig, device: torch.device,
+              memory_fraction: float = 1.0) -> GroupWorker:
+        """Rank 0's worker; the replicas build theirs with it."""
+        from peer.node.sharded import use_fsdp
+
+        device = local_device(device)
+        sharded = use_fsdp(self.sharding, train, device, memory_fraction)
+        _send(BUILD, signed_manifest, sharded)
+        return worker_class(sharded)(train, device=device, **device_options(train, device))
 
     def release(self) -> None:
         _send(RELEASE)
@@ -221,12 +265,20 @@ class Replicas:
             dist.destroy_process_group()
 
 
-def start(device: torch.device) -> Replicas | None:
+def worker_class(sharded: bool) -> type[GroupWorker]:
+    if sharded:
+        from peer.node.sharded import ShardedWorker
+
+        return ShardedWorker
+    return ReplicatedWorker
+
+
+def start(device: torch.device, sharding: str = "auto") -> Replicas | None:
     """On rank 0 under torchrun: join the group and return the handle on the replicas."""
     if not under_torchrun():
         return None
     init_group(local_device(device))
-    return Replicas(dist.get_world_size())
+    return Replicas(dist.get_world_size(), sharding)
 
 
 def follow(device_name: str) -> int:
@@ -241,12 +293,12 @@ def follow(device_name: str) -> int:
     _die_with_parent()
     device = local_device(pick_device(device_name))
     init_group(device)
-    worker: ReplicatedWorker | None = None
+    worker: GroupWorker | None = None
     while True:
         op, args = _receive()
         if op == BUILD:
             train = open_manifest(args[0]).manifest.train
-            worker = ReplicatedWorker(train, device=device, **device_options(train, device))
+            worker = worker_class(args[1])(train, device=device, **device_options(train, device))
         elif op == RELEASE:
             worker = None
             gc.collect()

@@ -34,12 +34,11 @@ class WorkerStateMixin:
         if self._corpus is None:
             self._corpus = load_corpus(train.data, train.model.vocab_size, self.identity.public_key)
         replicas = self.cfg.replicas
-        if replicas is not None:  # the other processes build theirs with us (DDP syncs the weights)
-            from peer.node.replicas import ReplicatedWorker, local_device
-
-            device = local_device(device)
-            replicas.build(self.manifest_bytes)
-            worker = ReplicatedWorker(train, device=device, **device_options(train, device))
+        if replicas is not None:  # the other processes build theirs with us (DDP or FSDP)
+            worker = replicas.build(self.manifest_bytes, train, device, compute.gpu_memory_fraction)
+            sharding = "fsdp" if getattr(worker, "sharded", False) else "ddp"
+            log.info("built the model on %d processes sharding=%s", replicas.world, sharding)
+            self.on_event({"event": "built", "processes": replicas.world, "sharding": sharding})
         else:
             worker = Worker(train, device=device, **device_options(train, device))
         sampler = ShardSampler(self._corpus.train, train.model.seq_len, train.inner.batch_size, train.data.seed,

@@ -1,6 +1,6 @@
-"""A node that trains as a torch.distributed group (two gloo processes on CPU) in a real swarm:
-it averages with a single-process peer, both land bit-identical global copies, and pause,
-resume and finish work for the whole group."""
+"""A node that trains as a torch.distributed group (two gloo processes on CPU, DDP or FSDP) in a
+real swarm: it averages with a single-process peer, both land bit-identical global copies, and
+pause, resume (a checkpoint saved and loaded) and finish work for the whole group."""
 
 import tempfile
 from pathlib import Path
@@ -15,14 +15,17 @@ from tui.control_client import call
 pytestmark = pytest.mark.swarm
 
 
-def test_a_two_process_node_averages_with_a_single_process_peer_and_pauses_as_one(demos):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_a_two_process_node_averages_with_a_single_process_peer_and_pauses_as_one(demos, sharding):
     workdir = Path(tempfile.mkdtemp(prefix="ss-rep-", dir="/tmp"))  # short: unix socket paths
     events = Events()
-    demo = Demo(2, rounds=None, workdir=workdir, on_event=events, args={1: ["--gpus", "2"]})
+    demo = Demo(2, rounds=None, workdir=workdir, on_event=events, args={1: ["--gpus", "2", "--sharding", sharding]})
     demos.append(demo)
     demo.start()
     _, listening = events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "listening")
     assert listening["processes"] == 2
+    _, built = events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "built")
+    assert built == {"event": "built", "processes": 2, "sharding": sharding}
     events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "synced" and not ev["alone"])
 
     # a pause gives every process's model back; resume builds them again from the checkpoint

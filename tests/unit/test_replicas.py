@@ -1,5 +1,6 @@
-"""The multi-process worker's arithmetic (peer.node.replicas): two gloo processes training
-their halves of each batch take the same steps as one process training the whole batch."""
+"""The multi-process workers' arithmetic (peer.node.replicas: DDP; peer.node.sharded: FSDP):
+two gloo processes training their halves of each batch take the same steps as one process
+training the whole batch."""
 
 import multiprocessing
 import os
@@ -56,13 +57,14 @@ def _rank(rank: int, port: int, results) -> None:
                  {n: p.detach().clone() for n, p in alone.model.named_parameters()}))
 
 
-def test_two_processes_train_the_whole_batch_as_one_process_does():
+def _run_two(target) -> dict:
+    """``target(rank, port, results)`` in two forked processes: what each put, by its first item."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in (0, 1)]
+    procs = [ctx.Process(target=target, args=(r, port, results)) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -72,6 +74,12 @@ def test_two_processes_train_the_whole_batch_as_one_process_does():
             p.join(30)
             if p.is_alive():
                 p.kill()
+    assert all(p.exitcode == 0 for p in procs)
+    return got
+
+
+def test_two_processes_train_the_whole_batch_as_one_process_does():
+    got = _run_two(_rank)
     losses, same_tokens, same_since_sync, node, alone = got["node"]
     (replica,) = got["replica"]
     assert same_tokens and same_since_sync  # the node counts the whole batch, as one process would
@@ -81,4 +89,73 @@ def test_two_processes_train_the_whole_batch_as_one_process_does():
         # sums in another order; AdamW turns a gradient near 0 into a full step, so allow a little
         torch.testing.assert_close(node[n], alone[n], rtol=1e-3, atol=1e-4)
         assert torch.equal(node[n], replica[n])  # the replica holds exactly the node's weights
-    assert all(p.exitcode == 0 for p in procs)
+
+
+def _sharded_rank(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from peer.node import replicas
+    from peer.node.sharded import ShardedWorker
+    from peer.worker import Worker
+
+    replicas.init_group(torch.device("cpu"))
+    worker = ShardedWorker(CFG, device=torch.device("cpu"))
+    shards = {n: p.to_local().detach().clone() for n, p in worker.model.named_parameters()}
+    if rank == 1:
+        while True:
+            op, args = replicas._receive()
+            if op == replicas.STOP:
+                results.put(("replica", {n: p.to_local().detach().clone() for n, p in worker.model.named_parameters()},
+                             shards))
+                return
+            worker.follow(op, args)
+    alone = Worker(CFG)
+    losses = []
+    for step in range(7):
+        pair = worker.forward_backward(batches(step)), alone.forward_backward(batches(step))
+        worker.optimizer_step()
+        alone.optimizer_step()
+        losses.append(pair)
+        for p in worker.schedule.starts_after(worker.step):  # an outer step and a merge (alpha 0.5), as a landing
+            for w in (worker, alone):
+                delta, _ = w.begin_sync(p)
+                w.apply_outer(p, delta * 0.5)
+    held = batches(100)
+    before_eval = worker.local_state()
+    evals = worker.evaluate_global(held), alone.evaluate_global(held)
+    # a checkpoint's round trip: what was gathered, scattered back after another step, gathers again
+    saved = worker.local_state()
+    worker.forward_backward(batches(7))
+    worker.optimizer_step()
+    worker.load_local_state(*saved)
+    again = worker.local_state()
+    replicas._send(replicas.STOP)
+    weights, adam = saved
+    results.put(("node", losses, evals, weights, alone.local_state()[0], adam, alone.local_state()[1], again,
+                 before_eval, [f.global_flat.clone() for f in worker.outer], [f.global_flat.clone() for f in alone.outer]))
+
+
+def test_two_fsdp_processes_hold_half_the_model_each_and_train_as_one_process_does():
+    got = _run_two(_sharded_rank)
+    losses, evals, node, alone, adam, alone_adam, again, before_eval, node_global, alone_global = got["node"]
+    replica, replica_at_start = got["replica"]
+    for a, b in losses:
+        assert abs(a - b) < 1e-5, losses
+    assert abs(evals[0] - evals[1]) < 1e-4, evals
+    for n in alone:
+        torch.testing.assert_close(node[n], alone[n], rtol=1e-3, atol=1e-4)
+        # each process holds its half of each weight, and the halves are the node's weights
+        assert replica_at_start[n].shape[0] == (node[n].shape[0] + 1) // 2 or node[n].shape[0] == 1
+        torch.testing.assert_close(replica[n], node[n].chunk(2, dim=0)[1], rtol=0, atol=0)
+        assert torch.equal(before_eval[0][n], node[n])  # the evaluation put the local weights back
+    assert set(adam) == set(alone_adam)
+    for i in adam:
+        assert adam[i][0] == alone_adam[i][0]
+        torch.testing.assert_close(adam[i][1], alone_adam[i][1], rtol=1e-3, atol=1e-5)
+    weights_again, adam_again = again
+    assert all(torch.equal(weights_again[n], node[n]) for n in node)
+    assert all(a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+               for a, b in zip(adam_again.values(), adam.values()))
+    for a, b in zip(node_global, alone_global):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
