@@ -159,3 +159,18 @@ def test_two_fsdp_processes_hold_half_the_model_each_and_train_as_one_process_do
                for a, b in zip(adam_again.values(), adam.values()))
     for a, b in zip(node_global, alone_global):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_sharding_is_chosen_by_the_flag_and_auto_keeps_ddp_where_the_host_holds_the_model():
+    from peer.node.sharded import use_fsdp
+    from protocol.errors import ConfigError
+
+    cpu = torch.device("cpu")
+    assert use_fsdp("fsdp", CFG, cpu) and not use_fsdp("ddp", CFG, cpu)
+    assert not use_fsdp("auto", CFG, cpu)
+    try:
+        use_fsdp("zero3", CFG, cpu)
+    except ConfigError as e:
+        assert "auto, ddp, fsdp" in str(e)
+    else:
+        raise AssertionError("an unknown sharding was accepted")
