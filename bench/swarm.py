@@ -27,6 +27,9 @@ Per (N, tau, link) it prints and writes (JSON, with the machine and the commit):
   decoded; matchmaking is not in it);
 - how long training waited on the network per sync (``waited_s / syncs``): 0 when the
   average landed within tau steps. It holds matchmaking too, which is what tau must hide;
+- late steps: how many steps past s + tau the results landed, mean over syncs and peers (with
+  tau >= 1 a node trains on while its group's last member catches up, up to a tenth of H in
+  all: ``peer.sync_pipeline.late_allowance``), so the overlap actually used is tau + this;
 - syncs averaged alone, held-out loss of the global model (mean over peers), and whether all
   peers ended with the same global model (one group: they must).
 
@@ -287,6 +290,8 @@ def run_one(n: int, tau: int, args: argparse.Namespace, netns: bool) -> dict:
         "allreduce_median_s": statistics.median(lat) if lat else float("nan"),
         "allreduce_p90_s": p90(lat),
         "syncs": syncs, "waited_per_sync_s": sum(p["waited_s"] for p in s) / max(1, syncs),
+        # steps past s + tau at which results landed (trained on while a late result came)
+        "landed_late_steps": statistics.mean(p.get("landed_late_steps", 0.0) for p in s) if s else float("nan"),
         "syncs_alone": summary["syncs_alone"], "heldout_loss": summary["heldout_loss"] or float("nan"),
         "global_copies_agree": summary["global_copies_agree"],
         "digests": len({p["global_digest"] for p in s}),
@@ -354,7 +359,7 @@ def main() -> int:
                        ("sent_kb_per_round", "sent KB/rnd", ".1f"), ("expected_kb_per_round", "expect KB", ".1f"),
                        ("recv_kb_per_round", "recv KB/rnd", ".1f"), ("allreduce_median_s", "AR med s", ".2f"),
                        ("allreduce_p90_s", "AR p90 s", ".2f"), ("waited_per_sync_s", "wait/sync s", ".2f"),
-                       ("syncs_alone", "alone", "d"), ("heldout_loss", "held-out", ".4f"),
+                       ("landed_late_steps", "late steps", ".1f"), ("syncs_alone", "alone", "d"), ("heldout_loss", "held-out", ".4f"),
                        ("global_copies_agree", "agree", "")])
     if args.slow:
         print(f"\nwith the last peer {args.slow:g}x slower (compute.duty_cycle = {1 / args.slow:.2f}):")

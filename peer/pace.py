@@ -37,7 +37,7 @@ Being waited for is the other sign (``SwarmClock.kept_waiting``): a group that f
 slow member waits for its part every round (the push deadline is long), so the others' pace,
 waits included, drops to the slow one's and the test above never finds it slow: the whole
 swarm would run at its pace. A node whose group's other members (half of them, so one liar of
-three cannot decide it) had sent their frames a tenth of a round before it started, at two
+three cannot decide it) had sent their frames a fifth of a round before it started, at two
 syncs running, is slow, and held so for ``HOLD_FOR`` intervals while the others, no longer
 waiting, show their own pace again.
 
@@ -58,6 +58,10 @@ from dataclasses import dataclass
 SLOW_BELOW = 0.6  # of the swarm's pace: below it for SLOW_FOR intervals a node is slow ...
 FAST_ABOVE = 0.8  # ... until it is back above this
 SLOW_FOR = 2.0  # heartbeat intervals below SLOW_BELOW before a node is slow
+STRAGGLE_SHARE = 0.2
+"""... by at least this share of a round (and half a second): twice what peers of equal speed
+drift apart by, since each trains on up to a tenth of a round past a landing step whose result
+is late (``peer.sync_pipeline.late_allowance``) before it waits for the others again."""
 STRAGGLED = 2  # syncs in a row at which our group waited for us before a node is slow ...
 HOLD_FOR = 3.0  # ... for at least this many heartbeat intervals
 TRAINING = frozenset({"training", "averaging", "finishing"})
@@ -134,7 +138,7 @@ class SwarmClock:
 
     def kept_waiting(self, waited_s: float, round_s: float, now: float | None = None) -> bool:
         """After a sync: the others' frames had waited ``waited_s`` for ours (``round_s``: how
-        long a round of our steps takes). Kept waiting a tenth of a round (at least half a
+        long a round of our steps takes). Kept waiting a fifth of a round (at least half a
         second) at ``STRAGGLED`` syncs in a row, we are the straggler: slow, and held so for
         ``HOLD_FOR`` heartbeat intervals. -> whether this made us slow.
 
@@ -144,7 +148,7 @@ class SwarmClock:
         being waited for says so at once; the hold lets the others' pace be measured again
         once they no longer wait."""
         now = time.monotonic() if now is None else now
-        self._straggled = self._straggled + 1 if waited_s >= max(0.5, 0.1 * round_s) else 0
+        self._straggled = self._straggled + 1 if waited_s >= max(0.5, STRAGGLE_SHARE * round_s) else 0
         if self._straggled < STRAGGLED or now < self._held_until:
             return False
         self._slow, self._held_until, self._below_since = True, now + HOLD_FOR * self.interval_s, None

@@ -6,8 +6,9 @@ is contributed, never dropped), download a newer state (only with nothing in fli
 (everything lands) or leave (everything is abandoned). The node used to key landings on the
 schedule alone ("fragment p lands after step s + tau"), so a sync landed early by a pause was
 looked up again at its landing step and the node crashed. Here a landing is decided by what
-is in flight: a sync lands exactly once, at the first step at or after its landing step, or
-when drained; nothing else can land.
+is in flight: a sync lands exactly once, at the first step at or after its landing step (or,
+when the caller says its result is not there yet, at a later step, a bounded number of steps
+on), or when drained; nothing else can land.
 
 The object holds the caller's handle for each sync (a future, the delta, the weight) and
 never looks inside it, so it is tested alone (tests/unit/test_sync_pipeline.py, with
@@ -47,14 +48,33 @@ class InFlight:
     handle: Any  # the caller's: what it needs to land it
 
 
+LATE_SHARE = 0.1
+"""With overlap, a result may land up to this share of H steps after its sync started."""
+
+
+def late_allowance(schedule: SyncSchedule) -> int:
+    """Steps past its landing step that a sync whose result is not there yet may stay in flight
+    while the node trains on (``due``'s ``max_late``). None at tau = 0: DiLoCo without overlap
+    applies every average at its sync step, so the node waits. With tau >= 1 the landing step
+    is a floor: a member that reached the sync before the rest of its group (peers on shared
+    or uneven hardware drift apart by several steps between two syncs) trains on instead of
+    waiting for them, up to a tenth of H in all (Streaming DiLoCo loses next to nothing with
+    overlaps of up to ~5% of H), and never past the next fragment's start (tau < H/P)."""
+    if schedule.overlap == 0:
+        return 0
+    longest = min(int(schedule.inner_steps * LATE_SHARE), schedule.inner_steps // schedule.fragments - 1)
+    return max(0, longest - schedule.overlap)
+
+
 class SyncPipeline:
     """The in-flight syncs of one node, keyed by fragment (one round of a fragment at a time).
 
     Transitions: ``joins(step, lead)`` says which rounds' groups to join ahead of their start
     (pipelined matchmaking) and ``form`` records one; ``starts(step)`` says which fragments
     start after an inner step (with their group forming, if any) and ``start`` records one;
-    ``due(step, ready)`` hands back those whose landing step has come (and, with ``ready``, whose
-    result is there, or whose fragment starts again now); ``take_forming()`` hands back
+    ``due(step, ready, max_late)`` hands back those whose landing step has come (and, with
+    ``ready``, whose result is there, or whose fragment starts again now, or that are
+    ``max_late`` steps overdue); ``take_forming()`` hands back
     the groups forming, for a pause to start them early; ``leave_forming(r)`` those for rounds
     from r on, for a finish to leave; ``drain()`` hands back all in flight (pause, finish);
     ``abandon()`` everything, for a node leaving without landing; ``rebase()`` after a state
@@ -159,14 +179,17 @@ class SyncPipeline:
         self._started[fragment] = round_
         return sync
 
-    def due(self, step: int, ready: Callable[[InFlight], bool] | None = None) -> list[InFlight]:
+    def due(self, step: int, ready: Callable[[InFlight], bool] | None = None,
+            max_late: int | None = None) -> list[InFlight]:
         """Remove and return the syncs whose result is due after inner step ``step``. With
         ``ready``, a due sync for which it says False stays in flight (the caller trains on and
-        lands it at a later step), unless its fragment's next round starts after ``step``: a
-        round lands before the next one of its fragment starts."""
+        lands it at a later step), unless its fragment's next round starts after ``step`` (a
+        round lands before the next one of its fragment starts) or, with ``max_late``, it is
+        that many steps past its landing step."""
         starting = set(self.schedule.starts_after(step))
         out = [s for s in self.in_flight() if s.lands_after <= step
-               and (ready is None or s.fragment in starting or ready(s))]
+               and (ready is None or s.fragment in starting or ready(s)
+                    or (max_late is not None and step >= s.lands_after + max_late))]
         for s in out:
             del self._flight[s.fragment]
         return out

@@ -94,6 +94,9 @@ class NodeStats:
     allreduce_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     """Latency of the latest all-reduces (bounded: a node runs for weeks)."""
     steps_skipped: int = 0  # steps our counter moved on without training, to keep up with the swarm (peer.pace)
+    late_steps: deque[int] = field(default_factory=lambda: deque(maxlen=1000))
+    """Steps past its landing step (s + tau) at which each sync landed: its result came late and
+    the node trained on (``sync_pipeline.late_allowance``)."""
     waits: deque[tuple[int, int, float]] = field(default_factory=lambda: deque(maxlen=1000))  # (fragment, round, s)
     losses: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=1000))
     heldout: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=1000))

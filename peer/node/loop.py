@@ -3,8 +3,10 @@
 One process, two threads. The main thread runs the plain training loop of ``peer.worker``;
 the network thread (``peer.network``) runs hivemind's P2P and DHT, the matchmaker and the
 averager. When fragment p's sync starts after step s, its pseudo-gradient is handed to the
-network thread and training goes on; after step s + tau the node waits for the average only
-if it is late, and measures that wait (``waited_s``). A sync whose group never formed or
+network thread and training goes on; after step s + tau the node lands the average if it is
+there; if not, with tau >= 1 it trains on for a few steps more (``sync_pipeline.late_allowance``:
+its group's last member may be that far behind), then waits for it, and measures that wait
+(``waited_s``); with tau = 0 it waits at once. A sync whose group never formed or
 whose all-reduce failed lands the node's *own* pseudo-gradient, so a lone or cut-off peer
 keeps training on its own outer steps (and is counted in ``syncs_alone``).
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import threading
 import time
 from collections import deque
@@ -59,7 +62,7 @@ from peer.presence import Presence
 from peer.ratelimit import RateLimiter
 from peer.settings_store import load_settings
 from peer.statesync import StateServer
-from peer.sync_pipeline import InFlight, SyncPipeline
+from peer.sync_pipeline import InFlight, SyncPipeline, late_allowance
 from peer.worker import Worker
 from protocol.identity import public_key_from_peer_id
 from protocol.manifest import SignedManifest, open_manifest
@@ -271,6 +274,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
         self._wait_for_peers(swarm)
         self._check_agreement(swarm, joining=True)  # late join, restart: catch up first
         pipeline = self._pipeline = SyncPipeline(worker.schedule)
+        late = late_allowance(worker.schedule)
         last_beat = last_ckpt = 0.0
         finish_at: int | None = None
         last_round = self.cfg.max_rounds  # the round count we stop at (finish or max_rounds), if any
@@ -334,13 +338,16 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
                 self._emit(ev)
             # a node that follows the others (slower than the swarm, peer.pace) started its sync
             # before they did: it trains on until the result is there, rather than wait for it
-            ready = (lambda sync: sync.handle[0].done()) if following else None
+            # with overlap, any node lands a result when it is there, a few steps late at most
+            # (sync_pipeline.late_allowance), rather than wait for the last member of its group
+            ready = (lambda sync: sync.handle[0].done()) if following or late else None
+            max_late = None if following else late
             for step in self._keep_pace(worker, pipeline, following):  # this step, and any we move on by to keep up
                 # what is in flight decides: a sync landed by a pause is gone. Land before a start
                 # (a round lands before its fragment's next one starts: a follower may have kept
                 # one), and after it (with tau = 0 a sync lands right after it started)
                 for when in ("before", "after"):
-                    for sync in pipeline.due(step, ready):
+                    for sync in pipeline.due(step, ready, max_late):
                         self._land(sync, swarm)
                         self._publish_state(worker)
                         if sync.fragment == len(worker.outer) - 1:  # the last fragment landed: a full round
@@ -400,6 +407,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             "bytes_received": self.stats.bytes_received, "syncs": self.stats.syncs,
             "syncs_alone": self.stats.syncs_alone, "syncs_failed": self.stats.syncs_failed,
             "dropped_peers": self.stats.dropped_peers,
+            "landed_late_steps": round(statistics.mean(self.stats.late_steps), 2) if self.stats.late_steps else 0.0,
             "waited_s": round(self.stats.waited_s, 3), "checks_s": round(self.stats.checks_s, 3),
             "blocked_s": round(self.stats.waited_s + self.stats.checks_s, 3),
             "paused_s": round(self.stats.paused_s, 3), "inner_s": round(self.stats.inner_s, 3),

@@ -123,15 +123,15 @@ def test_a_node_its_groups_waited_for_twice_running_is_slow_and_held_so_while_th
     assert not c.kept_waiting(3.0, round_s=8.0, now=10.0)  # once is not enough
     assert not c.kept_waiting(0.2, round_s=8.0, now=12.0)  # and the count starts over
     assert not c.kept_waiting(3.0, round_s=8.0, now=14.0)
-    assert c.kept_waiting(2.5, round_s=8.0, now=16.0)  # twice running, over a tenth of a round
+    assert c.kept_waiting(2.5, round_s=8.0, now=16.0)  # twice running, over a fifth of a round
     assert c.is_slow(5.0, now=16.0 + 3 * 2.0 - 0.1)  # held, though our pace equals theirs
     for key in (b"a", b"b"):
         beat(c, key, 4.0, 40)  # no longer waiting for us: 15 steps/s
     assert c.is_slow(5.0, now=30.0)  # the hold is over; now the pace test says so
 
 
-def test_kept_waiting_needs_half_a_second_and_a_tenth_of_a_round():
+def test_kept_waiting_needs_half_a_second_and_a_fifth_of_a_round():
     c = SwarmClock(heartbeat_interval_s=2.0, tokens_per_step=100)
-    for _ in range(5):  # equal peers on shared cores: a few hundred milliseconds apart
+    for _ in range(5):  # equal peers on shared cores, each landing up to a tenth of a round late
         assert not c.kept_waiting(0.45, round_s=2.0, now=0.0)
-        assert not c.kept_waiting(0.75, round_s=8.0, now=0.0)
+        assert not c.kept_waiting(1.55, round_s=8.0, now=0.0)

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from peer.sync_pipeline import SyncPipeline
+from peer.sync_pipeline import late_allowance, SyncPipeline
 from protocol.errors import LocalProtocolError
 from protocol.fragments import SyncSchedule
 
@@ -40,6 +40,23 @@ def test_a_sync_whose_result_is_not_there_waits_past_its_landing_step_but_not_pa
     pipe.start(0, 1, 8, "h1")
     assert [s.handle for s in pipe.due(9, ready=lambda s: s.handle == "h1")] == ["h1"]
     assert pipe.due(10) == []
+
+
+def test_with_overlap_a_late_result_lands_when_it_is_there_or_max_late_steps_on():
+    """Any node with tau >= 1 trains on past a landing step whose result is not there, at most
+    ``late_allowance`` steps: a tenth of H in all, and before the next fragment's start."""
+    schedule = SyncSchedule(inner_steps=100, fragments=2, overlap=1)
+    assert late_allowance(schedule) == 9  # tau 1 + 9 = 10 = H / 10
+    assert late_allowance(SyncSchedule(inner_steps=100, fragments=2, overlap=0)) == 0  # DiLoCo waits
+    assert late_allowance(SyncSchedule(inner_steps=40, fragments=10, overlap=1)) == 2  # H/P - 1 = 3 in all
+    assert late_allowance(SyncSchedule(inner_steps=100, fragments=2, overlap=12)) == 0
+    pipe = SyncPipeline(schedule)
+    pipe.start(0, 0, 50, "h0")
+    for step in range(51, 60):
+        assert pipe.due(step, ready=lambda s: False, max_late=9) == []  # trains on
+    assert [s.handle for s in pipe.due(60, ready=lambda s: False, max_late=9)] == ["h0"]  # 9 past 51: waits
+    pipe.start(1, 0, 100, "h1")
+    assert [s.handle for s in pipe.due(103, ready=lambda s: True, max_late=9)] == ["h1"]  # there: lands
 
 
 def test_a_download_with_syncs_in_flight_and_a_second_round_of_a_fragment_in_flight_are_refused():
@@ -112,7 +129,7 @@ class Pipeline(RuleBasedStateMachine):
         self.pipe: SyncPipeline | None = None
         self.step = 0
         self.paused = False
-        self.late_ok = False  # the last step kept a due sync whose result was not there
+        self.allowed_late = 0  # steps the last step let a due sync whose result was not there stay
         self.started: dict[int, tuple[int, int, int]] = {}  # id -> (fragment, round, landing step)
         self.rounds_started: set[tuple[int, int]] = set()
         self.ended: dict[int, str] = {}  # id -> how it ended: landed, drained, abandoned
@@ -143,16 +160,19 @@ class Pipeline(RuleBasedStateMachine):
             assert f.starts_after > self.step
             self._start(f.fragment, f.round)
 
-    @rule(lead=st.integers(0, 15), ready=st.sampled_from([None, True, False]))
+    @rule(lead=st.integers(0, 15), ready=st.sampled_from([None, True, False]),
+          max_late=st.sampled_from([None, 0, 3]))
     @precondition(lambda self: self.pipe is not None and not self.paused and not self.pipe.closed)
-    def inner_step(self, lead, ready):
+    def inner_step(self, lead, ready, max_late):
         """One step, landing before starting (as the node does). ``ready``: None lands what is
-        due; True/False is what a follower's "is its result there" says for every due sync."""
+        due; True/False is what "is its result there" says for every due sync; ``max_late``:
+        how far past its landing step such a sync may stay (None: a follower, until its next start)."""
         self.step += 1
-        self.late_ok = ready is False  # a follower may keep a due sync whose result is not there
+        # a due sync whose result is not there may stay that many steps past its landing step
+        self.allowed_late = 0 if ready is not False else float("inf") if max_late is None else max_late
         check = None if ready is None else (lambda s: ready)
         for when in ("before", "after"):  # a round lands before its fragment's next one starts,
-            due = self.pipe.due(self.step, check)  # and with tau = 0 right after it started
+            due = self.pipe.due(self.step, check, max_late)  # and with tau = 0 right after it started
             for s in due:
                 assert s.lands_after <= self.step and self.started[s.handle][2] == s.lands_after
             self._land(due, "landed")
@@ -225,7 +245,8 @@ class Pipeline(RuleBasedStateMachine):
         assert len(fragments) == len(set(fragments))
         # nothing overdue is kept, but by a follower whose result is not there, and never past
         # the step its fragment starts its next round
-        assert self.late_ok or all(s.lands_after > self.step for s in self.pipe.in_flight())
+        assert all(s.lands_after + self.allowed_late > self.step or s.lands_after > self.step
+                   for s in self.pipe.in_flight())
         assert all(self.schedule.next_start(s.fragment, s.started_after + 1) > self.step
                    for s in self.pipe.in_flight())
         assert all(f.starts_after > self.step for f in self.pipe.forming())  # nothing forms for a past start
