@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         processes = args.gpus if args.gpus is not None else (settings.compute.gpus if settings else 1)
         if not 1 <= processes <= 64:
             raise ConfigError(f"--gpus must be in 1..64, got {processes}")
+        if args.sharding == "fsdp" and processes == 1:
+            raise ConfigError("--sharding fsdp splits the model over several processes; add --gpus N (N >= 2), "
+                              "or leave --sharding out")
         if args.shard_target is not None and not 1 <= args.shard_target <= 4096:
             raise ConfigError(f"--shard-target must be in 1..4096 peers, got {args.shard_target}")
         from peer.node import replicas

@@ -174,3 +174,12 @@ def test_sharding_is_chosen_by_the_flag_and_auto_keeps_ddp_where_the_host_holds_
         assert "auto, ddp, fsdp" in str(e)
     else:
         raise AssertionError("an unknown sharding was accepted")
+
+
+def test_fsdp_on_one_process_is_refused_in_one_line(tmp_path, capsys):
+    from peer.node.cli import main
+
+    code = main(["--settings", str(tmp_path / "none.toml"), "--sharding", "fsdp", "--manifest", str(tmp_path / "x"),
+                 "--identity", str(tmp_path / "key"), "--data-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "--gpus N" in err, err
