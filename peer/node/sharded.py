@@ -4,7 +4,8 @@ DDP (``peer.node.replicas``) keeps the whole model, its gradients and AdamW's tw
 every device: 16 bytes a parameter before activations. A model that does not fit one device
 is sharded instead (PyTorch's ``fully_shard``, one unit a transformer block): each process
 holds 1/N of the weights, gradients and AdamW state, and gathers a block's weights only while
-it runs that block.
+it runs that block (the gradients are reduce-scattered at every micro-batch, so no device
+ever holds the whole model's). Needs torch 2.6 or later (FSDP2's public API).
 
 Rank 0 alone still talks to the swarm and keeps the fragments' fp32 global copies and outer
 momentum on its host, as a one-process node does. What the swarm code reads and writes of the
@@ -31,9 +32,13 @@ import logging
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+try:  # FSDP2's public API: torch 2.6 and later
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # an older torch: DDP only
+    fully_shard = None
 
 from peer.model import Transformer
 from peer.node.replicas import GroupWorker, _send
@@ -58,17 +63,25 @@ def use_fsdp(sharding: str, train: TrainConfig, device: torch.device, memory_fra
     ``memory_fraction`` counted); DDP otherwise (on CPU always: the host holds it either way)."""
     if sharding not in SHARDINGS:
         raise ConfigError(f"--sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
+    if sharding == "fsdp" and fully_shard is None:
+        raise ConfigError(f"--sharding fsdp needs torch 2.6 or later (this is {torch.__version__}); "
+                          "upgrade torch, or use --sharding ddp")
     if sharding != "auto":
         return sharding == "fsdp"
     if device.type != "cuda":
         return False
     budget = torch.cuda.get_device_properties(device).total_memory * memory_fraction
     need = train.model.num_params() * DDP_BYTES_PER_PARAM * ACTIVATION_HEADROOM
-    if need > budget:
-        log.info("sharding the model over the node's GPUs (FSDP): DDP would need %.1f GB a GPU, %.1f GB there",
-                 need / 1e9, budget / 1e9)
-        return True
-    return False
+    if need <= budget:
+        return False
+    if fully_shard is None:
+        log.warning("DDP would need %.1f GB a GPU, %.1f GB there, and FSDP needs torch 2.6 or later (this is %s): "
+                    "training with DDP; upgrade torch if it runs out of memory", need / 1e9, budget / 1e9,
+                    torch.__version__)
+        return False
+    log.info("sharding the model over the node's GPUs (FSDP): DDP would need %.1f GB a GPU, %.1f GB there",
+             need / 1e9, budget / 1e9)
+    return True
 
 
 class ShardedFragment(OuterFragment):
@@ -107,7 +120,8 @@ class ShardedWorker(GroupWorker):
         return ShardedFragment(self, fragment, params, self.cfg.outer, global_flat)
 
     def _grad_sync(self, last: bool):
-        self.model.set_requires_gradient_sync(last)  # reduce-scatter at the last micro-batch only
+        # reduce-scatter at every micro-batch: skipping it would keep every block's whole
+        # gradient on each device until the last one, the memory FSDP is there to save
         return contextlib.nullcontext()
 
     def _clip_gradients(self, max_norm: float) -> float:
@@ -205,12 +219,14 @@ class ShardedWorker(GroupWorker):
         rows = self._rows(whole.shape[2])
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i in range(whole.shape[0]):
-            x, y = whole[i, 0, rows], whole[i, 1, rows]
-            _, loss = self.model(x, y)
-            total += loss.double() * y.numel()
-        self.model.train()
-        self.model.reshard()  # the root keeps its weights gathered after a forward pass (for the backward)
+        try:
+            for i in range(whole.shape[0]):
+                x, y = whole[i, 0, rows], whole[i, 1, rows]
+                _, loss = self.model(x, y)
+                total += loss.double() * y.numel()
+        finally:
+            self.model.train()
+            self.model.reshard()  # the root keeps its weights gathered after a forward pass (for the backward)
         dist.all_reduce(total)
         return float(total) / whole[:, 1].numel()
 

@@ -205,7 +205,8 @@ class SyncMixin:
             self.stats.syncs_failed += 1
         waited = time.perf_counter() - t0
         self.stats.waited_s += waited
-        self.stats.late_steps.append(max(0, worker.step - sync.lands_after))
+        if worker.step >= sync.lands_after:  # not one a pause or a finish landed early
+            self.stats.late_steps.append(worker.step - sync.lands_after)
         self.stats.waits.append((fragment, round_, waited))
         self.stats.syncs += 1
         outcome = None if result is None else result[0]
