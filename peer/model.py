@@ -107,6 +107,14 @@ class Transformer(nn.Module):
         activation memory; the same values)."""
         self.reset_parameters()
 
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Compute the rotary tables again where they are (a model built on the meta device
+        and moved with ``to_empty`` holds garbage there)."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
     def reset_parameters(self) -> None:
         # GPT-2 init; residual output projections scaled by 1/sqrt(2L) so the residual
         # stream's variance does not grow with depth

@@ -89,10 +89,7 @@ class Worker:
         if bf16 and self.device.type == "cpu":
             log.info("bf16 autocast asked for on CPU; it is slower than fp32 there but supported")
         self.bf16 = bf16
-        # every worker of a run starts from the same weights: the init is seeded by the run seed
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.data.seed)
-            model = Transformer(cfg.model)
+        model = self._build_model()
         model.checkpointing = checkpointing
         sync = cfg.sync
         names = [n for n, _ in model.named_parameters()]
@@ -104,7 +101,7 @@ class Worker:
         with torch.no_grad():  # (N,) fp32 CPU copies of the initial weights: the fragments' global copies
             initial = [torch.cat([dict(model.named_parameters())[n].detach().reshape(-1).float() for n in group])
                        for group in self.fragment_names] if keep_outer else []
-        self.model = self._place(model)
+        self.model = self._place(model, initial)
         self.params = dict(self.model.named_parameters())
         assert list(self.params) == names, "placing the model renamed its parameters"
         inner = cfg.inner
@@ -122,8 +119,16 @@ class Worker:
         # tokens trained since each fragment's last sync started: its contribution's weight
         self.tokens_since_sync = [0] * len(self.outer)
 
-    def _place(self, model: Transformer) -> Transformer:
-        """The model on this worker's device (a sharded worker shards it first)."""
+    def _build_model(self) -> Transformer:
+        """The run's initial model on the CPU: every worker of a run starts from the same
+        weights, the init being seeded by the run seed."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.data.seed)
+            return Transformer(self.cfg.model)
+
+    def _place(self, model: Transformer, initial: list[torch.Tensor]) -> Transformer:
+        """The model on this worker's device (a sharded worker shards it first). ``initial``:
+        the fragments' initial global copies (those of the model's weights), if kept."""
         return model.to(self.device)
 
     def _outer_fragment(self, fragment: int, params: list[torch.nn.Parameter], global_flat: torch.Tensor

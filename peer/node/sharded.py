@@ -108,12 +108,42 @@ class ShardedWorker(GroupWorker):
 
     sharded = True
 
-    def _place(self, model: Transformer) -> Transformer:
+    def _from_rank0(self) -> bool:
+        """Whether this replica takes its initial shards from rank 0 rather than building the
+        whole model (which holds them all in its fragments' initial global copies)."""
+        return self.rank > 0 and self.cfg.sync.method == "diloco"
+
+    def _build_model(self) -> Transformer:
+        if not self._from_rank0():
+            return super()._build_model()
+        with torch.device("meta"):  # no memory: a replica of a model too big for one device
+            return Transformer(self.cfg.model)  # need not fit its host N times over
+
+    def _place(self, model: Transformer, initial: list[torch.Tensor]) -> Transformer:
         mesh = init_device_mesh(self.device.type, (self.world,))
         for block in model.layers:  # one all-gather a block: the weights of one block at a time
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        return model.to(self.device)
+        if self.cfg.sync.method != "diloco":
+            return model.to(self.device)  # every process built the whole model
+        if self.rank > 0:
+            model.to_empty(device=self.device)
+            model.init_buffers()
+        else:
+            model.to(self.device)
+        # each process's shards of the initial weights, from rank 0's initial global copies
+        params = dict(model.named_parameters())
+        assert sorted(n for names in self.fragment_names for n in names) == sorted(params), \
+            "a weight in no fragment would keep the garbage to_empty left"
+        with torch.no_grad():
+            for f, names in enumerate(self.fragment_names):
+                offset = 0
+                for n in names:
+                    p = params[n]
+                    whole = initial[f][offset: offset + p.numel()].view(p.shape) if self.rank == 0 else None
+                    p.to_local().copy_(self._shard_of(p, whole).to_local())
+                    offset += p.numel()
+        return model
 
     def _outer_fragment(self, fragment: int, params: list[torch.nn.Parameter], global_flat: torch.Tensor
                         ) -> OuterFragment:
