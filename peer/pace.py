@@ -59,9 +59,10 @@ SLOW_BELOW = 0.6  # of the swarm's pace: below it for SLOW_FOR intervals a node 
 FAST_ABOVE = 0.8  # ... until it is back above this
 SLOW_FOR = 2.0  # heartbeat intervals below SLOW_BELOW before a node is slow
 STRAGGLE_SHARE = 0.2
-"""... by at least this share of a round (and half a second): twice what peers of equal speed
-drift apart by, since each trains on up to a tenth of a round past a landing step whose result
-is late (``peer.sync_pipeline.late_allowance``) before it waits for the others again."""
+"""... by at least this share of a round (and half a second), or twice the run's
+``sync.late_share`` if that is more: peers of equal speed drift apart by up to that share,
+since each trains on so far past a landing step whose result is late
+(``peer.sync_pipeline.late_allowance``) before it waits for the others again."""
 STRAGGLED = 2  # syncs in a row at which our group waited for us before a node is slow ...
 HOLD_FOR = 3.0  # ... for at least this many heartbeat intervals
 TRAINING = frozenset({"training", "averaging", "finishing"})
@@ -136,7 +137,8 @@ class SwarmClock:
                 self._slow = False
         return self._slow
 
-    def kept_waiting(self, waited_s: float, round_s: float, now: float | None = None) -> bool:
+    def kept_waiting(self, waited_s: float, round_s: float, now: float | None = None,
+                     late_share: float = 0.1) -> bool:
         """After a sync: the others' frames had waited ``waited_s`` for ours (``round_s``: how
         long a round of our steps takes). Kept waiting a fifth of a round (at least half a
         second) at ``STRAGGLED`` syncs in a row, we are the straggler: slow, and held so for
@@ -148,7 +150,7 @@ class SwarmClock:
         being waited for says so at once; the hold lets the others' pace be measured again
         once they no longer wait."""
         now = time.monotonic() if now is None else now
-        self._straggled = self._straggled + 1 if waited_s >= max(0.5, STRAGGLE_SHARE * round_s) else 0
+        self._straggled = self._straggled + 1 if waited_s >= max(0.5, max(STRAGGLE_SHARE, 2 * late_share) * round_s) else 0
         if self._straggled < STRAGGLED or now < self._held_until:
             return False
         self._slow, self._held_until, self._below_since = True, now + HOLD_FOR * self.interval_s, None

@@ -48,21 +48,18 @@ class InFlight:
     handle: Any  # the caller's: what it needs to land it
 
 
-LATE_SHARE = 0.1
-"""With overlap, a result may land up to this share of H steps after its sync started."""
-
-
-def late_allowance(schedule: SyncSchedule) -> int:
+def late_allowance(schedule: SyncSchedule, late_share: float) -> int:
     """Steps past its landing step that a sync whose result is not there yet may stay in flight
     while the node trains on (``due``'s ``max_late``). None at tau = 0: DiLoCo without overlap
     applies every average at its sync step, so the node waits. With tau >= 1 the landing step
     is a floor: a member that reached the sync before the rest of its group (peers on shared
     or uneven hardware drift apart by several steps between two syncs) trains on instead of
-    waiting for them, up to a tenth of H in all (Streaming DiLoCo loses next to nothing with
-    overlaps of up to ~5% of H), and never past the next fragment's start (tau < H/P)."""
+    waiting for them, up to ``late_share`` of H in all (the run's ``sync.late_share``; 0.1 by
+    default: Streaming DiLoCo loses little with overlaps of a few percent of H), and never past
+    the next fragment's start (tau < H/P)."""
     if schedule.overlap == 0:
         return 0
-    longest = min(int(schedule.inner_steps * LATE_SHARE), schedule.inner_steps // schedule.fragments - 1)
+    longest = min(int(schedule.inner_steps * late_share), schedule.inner_steps // schedule.fragments - 1)
     return max(0, longest - schedule.overlap)
 
 

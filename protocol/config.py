@@ -226,6 +226,12 @@ class SyncConfig:
     alpha: float = 0.0
     """Merge weight: local = alpha*local + (1-alpha)*global after the outer step. 0 replaces the
     local copy (DiLoCo); 0.5 is robust for overlap up to ~5 (Streaming DiLoCo)."""
+    late_share: float = 0.1
+    """With overlap (tau >= 1): a node whose result is not there at s + tau trains on and lands
+    it when it comes, up to this share of H after the sync started (and before the next
+    fragment's start); past that it waits. Peers of one group reach a sync a few steps apart,
+    and waiting for the last was most of the time a node was blocked; the cost is the quality
+    of a larger overlap (``peer.sync_pipeline.late_allowance``). 0: always land at s + tau."""
     codec: str = "fp32"
     """Wire format of pseudo-gradients: fp32, fp16, bf16, int8, fp4."""
     clip: float = 2.0
@@ -250,6 +256,7 @@ class SyncConfig:
                f"sync.overlap (tau={self.overlap}) must be < H/P = {self.inner_steps // self.fragments} "
                "so a fragment's average lands before its next sync")
         _check(0.0 <= self.alpha < 1.0, f"sync.alpha must be in [0, 1), got {self.alpha}")
+        _check(0.0 <= self.late_share <= 0.5, f"sync.late_share must be in [0, 0.5], got {self.late_share}")
         _check(self.clip == 0.0 or 1.0 <= self.clip <= 1e6,
                f"sync.clip must be 0 (plain mean) or in [1, 1e6], got {self.clip}")
         _check(0.0 <= self.audit <= 1.0, f"sync.audit must be in [0, 1], got {self.audit}")

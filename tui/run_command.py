@@ -35,7 +35,7 @@ _FIELDS = {
     "weight_decay": ("inner", "weight_decay"),
     "outer_lr": ("outer", "lr"), "outer_momentum": ("outer", "momentum"), "nesterov": ("outer", "nesterov"),
     "inner_steps": ("sync", "inner_steps"), "fragments": ("sync", "fragments"),
-    "overlap": ("sync", "overlap"), "alpha": ("sync", "alpha"), "codec": ("sync", "codec"),
+    "overlap": ("sync", "overlap"), "alpha": ("sync", "alpha"), "codec": ("sync", "codec"), "late_share": ("sync", "late_share"),
     "clip": ("sync", "clip"), "audit": ("sync", "audit"),
     "group_size": ("swarm", "group_size"), "matchmaking_timeout": ("swarm", "matchmaking_timeout_s"),
     "allreduce_timeout": ("swarm", "allreduce_timeout_s"), "state_chunk_timeout": ("swarm", "state_chunk_timeout_s"),
@@ -88,6 +88,9 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--overlap", "--tau", dest="overlap", type=int, help="tau: steps an all-reduce overlaps")
     g.add_argument("--alpha", type=float, help="merge weight of the local copy (0.5 with overlap)")
     g.add_argument("--codec", choices=CODEC_NAMES, help="wire format of outer gradients")
+    g.add_argument("--late-share", type=float, help="with overlap, a late result may land up to this share of H "
+                                                    "after its sync started while the node trains on (default "
+                                                    "0.1; 0: always after tau steps)")
     g.add_argument("--clip", type=float, help="robust mean: a slice is scaled to at most this x the lower median "
                                               "norm (default 2; 0: plain mean)")
     g.add_argument("--audit", type=float, help="chance a member audits each other reducer's mean after a round "

@@ -274,7 +274,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
         self._wait_for_peers(swarm)
         self._check_agreement(swarm, joining=True)  # late join, restart: catch up first
         pipeline = self._pipeline = SyncPipeline(worker.schedule)
-        late = late_allowance(worker.schedule)
+        late = late_allowance(worker.schedule, train.sync.late_share)
         last_beat = last_ckpt = 0.0
         finish_at: int | None = None
         last_round = self.cfg.max_rounds  # the round count we stop at (finish or max_rounds), if any

@@ -228,7 +228,8 @@ class SyncMixin:
             self.stats.allreduce_s.append(outcome.elapsed_s)
             cycles = self.stats.cycle_times
             round_s = self.worker.schedule.inner_steps * (statistics.median(cycles) if cycles else 0.0)
-            if self._clock.kept_waiting(outcome.kept_waiting_s, round_s):
+            if self._clock.kept_waiting(outcome.kept_waiting_s, round_s,
+                                        late_share=self.signed.manifest.train.sync.late_share):
                 log.info("our groups waited %.1f s for our part, at %d syncs running: slower than the swarm, "
                          "following its rounds", outcome.kept_waiting_s, STRAGGLED)
             size = result[1]

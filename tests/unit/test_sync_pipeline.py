@@ -46,10 +46,11 @@ def test_with_overlap_a_late_result_lands_when_it_is_there_or_max_late_steps_on(
     """Any node with tau >= 1 trains on past a landing step whose result is not there, at most
     ``late_allowance`` steps: a tenth of H in all, and before the next fragment's start."""
     schedule = SyncSchedule(inner_steps=100, fragments=2, overlap=1)
-    assert late_allowance(schedule) == 9  # tau 1 + 9 = 10 = H / 10
-    assert late_allowance(SyncSchedule(inner_steps=100, fragments=2, overlap=0)) == 0  # DiLoCo waits
-    assert late_allowance(SyncSchedule(inner_steps=40, fragments=10, overlap=1)) == 2  # H/P - 1 = 3 in all
-    assert late_allowance(SyncSchedule(inner_steps=100, fragments=2, overlap=12)) == 0
+    assert late_allowance(schedule, 0.1) == 9  # tau 1 + 9 = 10 = H / 10
+    assert late_allowance(schedule, 0.0) == 0  # the run says: always at s + tau
+    assert late_allowance(SyncSchedule(inner_steps=100, fragments=2, overlap=0), 0.1) == 0  # DiLoCo waits
+    assert late_allowance(SyncSchedule(inner_steps=40, fragments=10, overlap=1), 0.5) == 2  # H/P - 1 = 3 in all
+    assert late_allowance(SyncSchedule(inner_steps=100, fragments=2, overlap=12), 0.1) == 0
     pipe = SyncPipeline(schedule)
     pipe.start(0, 0, 50, "h0")
     for step in range(51, 60):
