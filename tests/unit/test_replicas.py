@@ -24,6 +24,31 @@ def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def _follow_until_stop(replicas, worker) -> None:
+    """A replica's loop: rank 0's commands until STOP."""
+    while True:
+        op, args = replicas._receive()
+        if op == replicas.STOP:
+            return
+        worker.follow(op, args)
+
+
+def _train_both(worker, alone) -> list[tuple[float, float]]:
+    """Seven inner steps of the group's worker and of one process, with an outer step and a
+    merge (alpha 0.5) after each sync, as a landing does: the pairs of losses."""
+    losses = []
+    for step in range(7):
+        pair = worker.forward_backward(batches(step)), alone.forward_backward(batches(step))
+        worker.optimizer_step()
+        alone.optimizer_step()
+        losses.append(pair)
+        for p in worker.schedule.starts_after(worker.step):
+            for w in (worker, alone):
+                delta, _ = w.begin_sync(p)
+                w.apply_outer(p, delta * 0.5)
+    return losses
+
+
 def _rank(rank: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
@@ -34,23 +59,11 @@ def _rank(rank: int, port: int, results) -> None:
     replicas.init_group(torch.device("cpu"))
     worker = replicas.ReplicatedWorker(CFG, device=torch.device("cpu"))
     if rank == 1:
-        while True:
-            op, args = replicas._receive()
-            if op == replicas.STOP:
-                results.put(("replica", {n: p.detach().clone() for n, p in worker.model.named_parameters()}))
-                return
-            worker.follow(op, args)
+        _follow_until_stop(replicas, worker)
+        results.put(("replica", {n: p.detach().clone() for n, p in worker.model.named_parameters()}))
+        return
     alone = Worker(CFG)  # one process, the whole batch
-    losses = []
-    for step in range(7):
-        pair = worker.forward_backward(batches(step)), alone.forward_backward(batches(step))
-        worker.optimizer_step()
-        alone.optimizer_step()
-        losses.append(pair)
-        for p in worker.schedule.starts_after(worker.step):  # an outer step, as a landing does
-            for w in (worker, alone):
-                delta, _ = w.begin_sync(p)
-                w.apply_outer(p, delta * 0.5)
+    losses = _train_both(worker, alone)
     replicas._send(replicas.STOP)
     results.put(("node", losses, worker.tokens == alone.tokens, worker.tokens_since_sync == alone.tokens_since_sync,
                  {n: p.detach().clone() for n, p in worker.model.named_parameters()},
@@ -103,24 +116,12 @@ def _sharded_rank(rank: int, port: int, results) -> None:
     worker = ShardedWorker(CFG, device=torch.device("cpu"))
     shards = {n: p.to_local().detach().clone() for n, p in worker.model.named_parameters()}
     if rank == 1:
-        while True:
-            op, args = replicas._receive()
-            if op == replicas.STOP:
-                results.put(("replica", {n: p.to_local().detach().clone() for n, p in worker.model.named_parameters()},
-                             shards))
-                return
-            worker.follow(op, args)
+        _follow_until_stop(replicas, worker)
+        results.put(("replica", {n: p.to_local().detach().clone() for n, p in worker.model.named_parameters()},
+                     shards))
+        return
     alone = Worker(CFG)
-    losses = []
-    for step in range(7):
-        pair = worker.forward_backward(batches(step)), alone.forward_backward(batches(step))
-        worker.optimizer_step()
-        alone.optimizer_step()
-        losses.append(pair)
-        for p in worker.schedule.starts_after(worker.step):  # an outer step and a merge (alpha 0.5), as a landing
-            for w in (worker, alone):
-                delta, _ = w.begin_sync(p)
-                w.apply_outer(p, delta * 0.5)
+    losses = _train_both(worker, alone)
     held = batches(100)
     before_eval = worker.local_state()
     evals = worker.evaluate_global(held), alone.evaluate_global(held)
