@@ -69,15 +69,16 @@ class ShardView:
     level: int = 0
     estimate: float = 1.0  # peers in the run, this node included
     _reads: int = PROBE_EVERY  # since the last probe of every level (the first read probes)
+    _own: list[int] = field(init=False, repr=False)  # our shard at each level 0..MAX_LEVEL
 
     def __post_init__(self):
         if self.target < 1:
             raise ValueError(f"the shard target must be at least 1 peer, got {self.target}")
+        self._own = [shard_of(self.run_id, self.me, lv) for lv in range(MAX_LEVEL + 1)]
 
     def writes(self) -> list[tuple[int, int]]:
         """(level, shard) pairs our heartbeat goes to."""
-        return [(lv, shard_of(self.run_id, self.me, lv))
-                for lv in range(max(0, self.level - 1), min(MAX_LEVEL, self.level + 1) + 1)]
+        return [(lv, self._own[lv]) for lv in range(max(0, self.level - 1), min(MAX_LEVEL, self.level + 1) + 1)]
 
     def probing(self) -> bool:
         """Whether the next read should probe every level: the first, and every
@@ -89,8 +90,8 @@ class ShardView:
         """(level, shard) pairs to read now: our own shard at every level when probing, else
         our own shard at our level and up to ``read_shards`` others, drawn afresh."""
         if self.probing():
-            return [(lv, shard_of(self.run_id, self.me, lv)) for lv in range(MAX_LEVEL + 1)]
-        own = shard_of(self.run_id, self.me, self.level)
+            return list(enumerate(self._own))
+        own = self._own[self.level]
         shards = 1 << self.level
         others = [s for s in self.rng.sample(range(shards), min(shards, self.read_shards + 1)) if s != own]
         return [(self.level, own)] + [(self.level, s) for s in others[:self.read_shards]]
@@ -98,7 +99,7 @@ class ShardView:
     def observe(self, counts: dict[tuple[int, int], int]) -> None:
         """Take what a read found: (level, shard) -> distinct fresh heartbeats there (ours
         counted, whether or not our own store is readable yet)."""
-        own = {lv: shard_of(self.run_id, self.me, lv) for lv in range(MAX_LEVEL + 1)}
+        own = self._own
         counts = {(lv, s): max(c, 1) if s == own[lv] else c for (lv, s), c in counts.items()}
         if self.probing():
             self._reads = 0
@@ -138,7 +139,7 @@ class ShardView:
     def advertises(self) -> bool:
         """Whether we put the run in the public list: peers in shard 0 of our level (all of
         them at level 0), so that list holds about ``target`` entries per run."""
-        return shard_of(self.run_id, self.me, self.level) == 0
+        return self._own[self.level] == 0
 
 
 @dataclass

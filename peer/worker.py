@@ -92,18 +92,18 @@ class Worker:
         model = self._build_model()
         model.checkpointing = checkpointing
         sync = cfg.sync
-        names = [n for n, _ in model.named_parameters()]
+        built = dict(model.named_parameters())
         if sync.method == "diloco":
-            self.fragment_names = assign_fragments(dict(model.named_parameters()), cfg.model.n_layers, sync.fragments)
+            self.fragment_names = assign_fragments(built, cfg.model.n_layers, sync.fragments)
             self.schedule = SyncSchedule(sync.inner_steps, sync.fragments, sync.overlap)
         else:  # ddp: no outer optimizer, gradients are averaged every step
             self.fragment_names, self.schedule = [], None
         with torch.no_grad():  # (N,) fp32 CPU copies of the initial weights: the fragments' global copies
-            initial = [torch.cat([dict(model.named_parameters())[n].detach().reshape(-1).float() for n in group])
+            initial = [torch.cat([built[n].detach().reshape(-1).float() for n in group])
                        for group in self.fragment_names] if keep_outer else []
         self.model = self._place(model, initial)
         self.params = dict(self.model.named_parameters())
-        assert list(self.params) == names, "placing the model renamed its parameters"
+        assert list(self.params) == list(built), "placing the model renamed its parameters"
         inner = cfg.inner
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]

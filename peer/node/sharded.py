@@ -179,8 +179,9 @@ class ShardedWorker(GroupWorker):
         return self._local_state()
 
     def load_local_state(self, weights, adam) -> None:
-        _send(LOAD, {i: step for i, (step, _, _) in adam.items()})
-        self._load(weights, adam, {i: step for i, (step, _, _) in adam.items()})
+        steps = {i: step for i, (step, _, _) in adam.items()}
+        _send(LOAD, steps)
+        self._load(weights, adam, steps)
 
     def evaluate_global(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         with self.global_weights():

@@ -205,8 +205,9 @@ class SyncMixin:
             self.stats.syncs_failed += 1
         waited = time.perf_counter() - t0
         self.stats.waited_s += waited
-        if worker.step >= sync.lands_after:  # not one a pause or a finish landed early
-            self.stats.late_steps.append(worker.step - sync.lands_after)
+        late = worker.step - sync.lands_after
+        if late >= 0:  # not one a pause or a finish landed early
+            self.stats.late_steps.append(late)
         self.stats.waits.append((fragment, round_, waited))
         self.stats.syncs += 1
         outcome = None if result is None else result[0]
@@ -248,7 +249,7 @@ class SyncMixin:
         self.stats.rounds[fragment] = round_ + 1
         last_loss = self.stats.losses[-1][1] if self.stats.losses else float("nan")
         self.on_event({"event": "synced", "fragment": fragment, "round": round_, "step": worker.step,
-                       "late": max(0, worker.step - sync.lands_after),
+                       "late": max(0, late),
                        "alone": outcome is None, "dropped": 0 if outcome is None else len(outcome.dropped),
                        "group_size": 1 if result is None else result[1],
                        "group": "" if result is None else result[2].hex()[:16],
