@@ -139,6 +139,9 @@ class Group:
     numel: int
     codec: str
     deadline_s: float
+    formed_at: int = 0
+    """Our sync count when it formed (``peer.distrust``'s clock): an audit's verdict on a group
+    formed before a suspension began belongs to that suspension."""
 
 
 @dataclass(slots=True)

@@ -11,8 +11,8 @@ frames. The auditor recomputes the mean off the training path (the round has lan
   (``protocol.audit.WRONG``): the frames go to ``offences``, and the node bans the reducer
   with them as evidence (``peer.bans``) and stops grouping with it;
 - a reducer that does not show inputs matching its commitment within ``2 x`` the round's
-  deadline (``UNPROVEN``) proves nothing, but this member stops grouping with it
-  (``refused``), as with a mean too large to be honest.
+  deadline (``UNPROVEN``) proves nothing (a peer killed right after the round cannot answer),
+  so this member only suspends it from its groups for a while (``peer.distrust``).
 
 An honest round's members all hold the reducer's one signed mean (``peer.allreduce_round``
 agreement), so a lie caught this way was landed alike by every honest member: they stay
@@ -29,12 +29,12 @@ import asyncio
 import logging
 import random
 from collections import Counter, deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from peer.bans import MAX_EVIDENCE_FRAMES
+from peer.distrust import Distrust
 from protocol.audit import OWN_CODEC, UNPROVEN, WRONG, check
 from protocol.envelope import Verified, seal_parts, verify
 from protocol.errors import RemoteProtocolError
@@ -90,15 +90,16 @@ class Audits:
         self._random = random.SystemRandom()
         self.offences: deque[tuple[bytes, str, tuple[bytes, ...]]] = deque(maxlen=64)
         """Proven wrong means: (reducer's key, what, the frames that prove it); the node takes them."""
-        self.refused: deque[bytes] = deque(maxlen=256)
-        """Keys of reducers that did not show the inputs of a mean we audited; the node takes them."""
+        self.suspended: deque[tuple[bytes, int]] = deque(maxlen=256)
+        """(key, for how many syncs) of reducers suspended for not showing their inputs; the node takes them."""
         self.counts: Counter[str] = Counter()  # verdicts so far
         self._convicted: set[bytes] = set()  # keys we hold proof against (ours, or handed on)
         self._checked: Counter[str] = Counter()  # peer ID -> evidence of theirs we checked
         self._refused: Counter[str] = Counter()  # peer ID -> evidence of theirs that proved nothing
-        self.distrust: Callable[[bytes], None] | None = None
-        """Called with a convicted or refused reducer's key as soon as the verdict is in, so the
-        matchmaking leaves it out from now (the node sets it; the ban itself comes at its next landing)."""
+        self.distrust: Distrust | None = None
+        """The matchmaking's ``peer.distrust.Distrust`` (the node sets it): a convicted reducer is
+        banned from it, one that did not show its inputs suspended, as soon as the verdict is in
+        (the ban on disk comes at the node's next landing)."""
 
     # --- auditing others ------------------------------------------------------------------
 
@@ -133,8 +134,8 @@ class Audits:
             del self._open[key]
         verdict, reducer, why = check(mean_frames, pending.frames, g.run_id, self.clip)
         self.counts[verdict] += 1
-        if verdict == UNPROVEN and self.distrust is not None:  # (a conviction distrusts it below)
-            self.distrust(bytes(g.members[j]))
+        suspended = (self.distrust.suspend(bytes(g.members[j]), g.formed_at)
+                     if verdict == UNPROVEN and self.distrust is not None else 0)
         if verdict == WRONG and reducer is not None:
             log.warning("audit: reducer signed a wrong mean part=%d reducer=%s group=%s: %s", j, pending.reducer,
                         g.group_id.hex(), why)
@@ -142,9 +143,11 @@ class Audits:
             self._convict(reducer, why, proof)
             self._share(rnd, j, proof)
         elif verdict == UNPROVEN:
-            log.warning("audit: reducer did not show the inputs of its mean part=%d reducer=%s group=%s: %s; "
-                        "not grouping with it any more", j, pending.reducer, g.group_id.hex(), why)
-            self.refused.append(bytes(g.members[j]))
+            log.warning("audit: reducer did not show the inputs of its mean part=%d reducer=%s group=%s: %s; %s",
+                        j, pending.reducer, g.group_id.hex(), why,
+                        f"not grouping with it for {suspended} syncs" if suspended else "judged already")
+            if suspended:
+                self.suspended.append((bytes(g.members[j]), suspended))
         else:
             log.info("audit passed part=%d reducer=%s group=%s %s", j, pending.reducer, g.group_id.hex(), why)
 
@@ -152,7 +155,7 @@ class Audits:
         self._convicted.add(bytes(key))
         self.offences.append((bytes(key), why, proof))
         if self.distrust is not None:
-            self.distrust(bytes(key))
+            self.distrust.ban(bytes(key))
 
     def _share(self, rnd: Round, j: int, proof: tuple[bytes, ...]) -> None:
         """Hand the proof on to the group's other members: each checks it and bans the liar too,

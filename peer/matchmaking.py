@@ -98,6 +98,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from peer.allreduce import Group
+from peer.distrust import Distrust
 from peer.presence import PREFIX
 from protocol.envelope import seal, verify
 from protocol.errors import LocalProtocolError, RemoteProtocolError
@@ -207,10 +208,11 @@ class Matchmaker:
         node's live peers). Once all of them are in our batch, the
         batch closes at once instead of ``gap`` after its last join: everyone we know of is
         in, and waiting only delays the group (see the module docstring)."""
-        self.distrusted: set[bytes] = set()
-        """Keys we do not group with, nor follow as leaders: banned for a proven lie, or whose
-        reduced part we refused (``peer.node`` fills it). A leader that does not know drops
-        nothing: we follow its group, and check what it brings."""
+        self.distrusted = Distrust()
+        """Keys we do not group with, nor follow as leaders: banned for a proven lie or a
+        reduced part we refused, or suspended for an audit they did not answer (``peer.distrust``;
+        ``peer.node`` and ``peer.audit`` fill it). A leader that does not know drops nothing: we
+        follow its group, and check what it brings."""
 
     def formation_s(self) -> float:
         """About how long ``form_group`` takes for peers that join together: the batch gap and
@@ -291,7 +293,7 @@ class Matchmaker:
         self._waited.clear()
         return Group(run_id=self.run_id, fragment=f.fragment, round=f.round, group_id=bytes(f.group_id),
                      members=tuple(bytes(m) for m in f.members), weights=tuple(f.weights), numel=f.numel,
-                     codec=f.codec, deadline_s=f.deadline_s)
+                     codec=f.codec, deadline_s=f.deadline_s, formed_at=self.distrusted.syncs)
 
     async def wait_for_others(self, fragment: int, round: int, numel: int, timeout_s: float, *,
                               now: Callable[[], float] = get_dht_time) -> str:
@@ -380,7 +382,7 @@ class Matchmaker:
             wake = min(close + self.settle_s, deadline)
             if now() >= wake:
                 break
-            expected = self.expected(fragment, round) - self.distrusted - {me} if self.expected else set()
+            expected = self.expected(fragment, round) - self.distrusted.active() - {me} if self.expected else set()
             if expected and expected <= set(batch):
                 wake = now()  # everyone we expect is in our batch: nothing left to wait for
                 break

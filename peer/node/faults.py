@@ -12,7 +12,9 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
 - ``withhold``: as a reducer, its mean to every contributor but one;
 - ``replay``: with every push, its push of the previous round to that peer again (signed for
   the old group);
-- ``short``: every push 256 elements short of its slice (validly signed, well-formed chunks).
+- ``short``: every push 256 elements short of its slice (validly signed, well-formed chunks);
+- ``mute``: never answers an audit of its means (honest ones): what a peer killed right after
+  a round looks like to its auditors.
 
 The member lied to or withheld from is the one after it in the group's order.
 
@@ -38,7 +40,7 @@ from peer.allreduce import AGREE_GRACE, RESULT_GRACE
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 
-LIES = frozenset({"push1000", "push1e30", "mean1000", "negate", "equivocate", "withhold", "replay", "short"})
+LIES = frozenset({"push1000", "push1e30", "mean1000", "negate", "equivocate", "withhold", "replay", "short", "mute"})
 
 
 def parse_lies(fault: str) -> frozenset[str]:
@@ -90,6 +92,8 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
         await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
 
     averager.allreduce, averager._encode, averager._deliver = lying_allreduce, lying_encode, lying_deliver
+    if "mute" in lies:
+        averager.audits.answer = lambda peer_id, msg: None
 
 
 def _scaled(averager: Any, frame: bytes, factor: float) -> bytes:

@@ -163,8 +163,8 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             self.bans = Bans(self.cfg.data_dir / self.signed.run_id_text / "bans", self.run_id, train.sync.clip)
             self.bans.load()
             self.averager.banned = self.bans.peer_ids  # one set: a ban holds from the next round on
-            self.matchmaker.distrusted |= {public_key_from_peer_id(b.peer_id) for b in self.bans.items()}
-            self.averager.audits.distrust = self.matchmaker.distrusted.add  # from the network thread: one set.add
+            self.matchmaker.distrusted.ban_all(public_key_from_peer_id(b.peer_id) for b in self.bans.items())
+            self.averager.audits.distrust = self.matchmaker.distrusted  # its verdicts come on the network thread
             self.state_digest = b""
             self.state_rounds: tuple[int, ...] = ()  # the rounds state_digest is at
             self._publishing: list = []  # (rounds, lineage, future) of each state being published, oldest first

@@ -176,17 +176,19 @@ class SyncMixin:
             outcome.average[start:end] = 0.0
         return outcome, len(group.members), bytes(group.group_id)
 
-    def _judge(self, offences, refused, why_refused: str) -> None:
+    def _judge(self, offences, refused=()) -> None:
         """Proven lies (banned, evidence saved; here, on the training thread, which writes it to
-        disk) and reducers refused without proof: from our next round on, we group with none."""
+        disk) and reducers whose part was too large for its contributions (refused without proof,
+        but no honest reducer sends one): from our next round on, we group with none of them.
+        (A reducer that did not answer an audit was suspended by ``peer.audit`` already.)"""
         for key, why, evidence in offences:
             if self.bans is not None:
                 self.bans.add(key, why, evidence)
-            self.matchmaker.distrusted.add(bytes(key))
+            self.matchmaker.distrusted.ban(key)
         for key in refused:
-            if key != self.identity.public_key and key not in self.matchmaker.distrusted:
-                self.matchmaker.distrusted.add(key)
-                log.warning("not grouping with peer=%s any more: %s", peer_id_from_public_key(key), why_refused)
+            if key != self.identity.public_key and self.matchmaker.distrusted.ban(key):
+                log.warning("not grouping with peer=%s any more: its reduced part was too large for its "
+                            "contributions", peer_id_from_public_key(key))
 
     def _land(self, sync: InFlight, swarm) -> None:
         worker = self.worker
@@ -210,6 +212,7 @@ class SyncMixin:
             self.stats.late_steps.append(late)
         self.stats.waits.append((fragment, round_, waited))
         self.stats.syncs += 1
+        self.matchmaker.distrusted.tick()  # suspensions count our syncs (peer.distrust)
         outcome = None if result is None else result[0]
         if outcome is None:
             self.stats.syncs_alone += 1
@@ -219,7 +222,7 @@ class SyncMixin:
             self._remember(FragmentSyncFailed(at=time.time(), fragment=fragment, round=round_, reason=reason[:256]))
         else:
             avg = outcome.average
-            self._judge(outcome.offences, outcome.refused, "its reduced part was too large for its contributions")
+            self._judge(outcome.offences, outcome.refused)
             if not outcome.agreed:  # a member that took part never reported, or a reducer sent two
                 self._alone_this_round = True  # means: the members may land different averages: compare after
                 self._new_lineage()
@@ -240,7 +243,9 @@ class SyncMixin:
                 duration_s=outcome.elapsed_s, waited_s=waited, bytes_sent=outcome.bytes_sent,
                 bytes_received=outcome.bytes_received))
         if (audits := getattr(self.averager, "audits", None)) is not None:  # of earlier rounds (peer.audit)
-            self._judge(_drain(audits.offences), _drain(audits.refused), "it did not show the inputs of its mean")
+            self._judge(_drain(audits.offences))
+            for key, syncs in _drain(audits.suspended):  # already out of our groups (peer.distrust)
+                self.on_event({"event": "suspended", "peer": peer_id_from_public_key(key), "syncs": syncs})
         self.stats.traffic.append((time.monotonic(), self.stats.bytes_sent, self.stats.bytes_received))
         # a fragment's weight counts every token since its last sync, and each of the P fragments
         # carries those same tokens for its 1/P of the model: credit 1/P of them per fragment

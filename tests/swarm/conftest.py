@@ -10,6 +10,23 @@ import pytest
 from swarm_util import identity_holder, kill_process_group
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed swarm test's report ends with the last lines of each of its demo peers' logs:
+    a failure on a CI machine is otherwise all one gets of what the nodes did."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for demo in item.funcargs.get("demos") or ():
+        for log in sorted(Path(demo.dir).glob("peer*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
+            report.sections.append((f"{log} (last {len(lines)} lines)", "\n".join(lines)))
+
+
+LOG_TAIL = 60
+
+
 @pytest.fixture
 def demos():
     started: list = []  # peer.demo.Demo objects

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from peer.demo import Demo, demo_manifest
+from peer.distrust import SUSPEND
 from peer.identity_store import load_or_create_identity
 from protocol.identity import Identity, peer_id_from_public_key
 from swarm_util import Events, kill_process_group, shared_landings
@@ -153,3 +154,39 @@ def test_a_reducer_whose_mean_does_not_follow_from_its_inputs_is_proven_and_bann
     attacked = [demo.summaries[i]["heldout_loss"] for i in honest]
     assert all(math.isfinite(h) and h > 0 for h in attacked), attacked
     print(f"held-out loss after 6 rounds beside a negating reducer: {sum(attacked) / 3:.4f}")
+
+
+def test_a_reducer_that_never_shows_its_inputs_is_suspended_by_its_auditors_then_grouped_with_again(tmp_path, demos):
+    """Peer 2 averages honestly but answers no audit (``lie:mute``): to its auditors it looks
+    like a peer killed right after a round. With ``sync.audit`` = 1 the honest peers audit its
+    means; an unanswered audit proves nothing, so each suspends it for ``SUSPEND`` of its own
+    syncs (it used to be for good, and a bootstrap peer killed and restarted was then never
+    grouped with again) and, after them, groups with it again. Nobody bans it: it told no lie
+    anyone can prove. The honest peers land one result in every group they share."""
+    setup = _setup(tmp_path, audit=1.0)
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    for i in range(3):
+        shutil.copy(setup / f"peer{i}.key", workdir / f"peer{i}.key")
+    liar = peer_id_from_public_key(load_or_create_identity(setup / "peer2.key").public_key)
+    events = Events()
+    demo = Demo(3, rounds=None, workdir=workdir, on_event=events, manifest=(setup / "demo.swarmrun").read_bytes(),
+                envs={2: {"SWARMSTREAM_FAULT": "lie:mute"}, **{i: {"SWARMSTREAM_LOG": "INFO"} for i in (0, 1)}})
+    demos.append(demo)
+    demo.start()
+    judge, ev = events.wait_for(lambda i, ev: i in (0, 1) and ev.get("event") == "suspended", timeout=240)
+    assert ev["peer"] == liar and ev["syncs"] == SUSPEND, ev
+    syncs_since = []
+
+    def back_in_its_groups(i: int, ev: dict) -> bool:
+        if i != judge or ev.get("event") != "synced":
+            return False
+        syncs_since.append(ev["group_size"])
+        return len(syncs_since) > SUSPEND and ev["group_size"] == 3  # the liar is in its groups again
+
+    events.wait_for(back_in_its_groups, timeout=240)
+    print(f"peer {judge}'s group sizes from its suspension of the liar until it grouped with it again: {syncs_since}")
+    for i in (0, 1):
+        text = (workdir / f"peer{i}.log").read_text()
+        assert f"banned peer={liar}" not in text and f"reducer={liar}" in text, f"peer {i}: {text[-2000:]}"
+    _agreed(events.drain(), (0, 1))

@@ -246,13 +246,14 @@ def test_a_peer_that_lost_every_peer_reconnects_through_its_bootstrap_peer(tmp_p
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     events = Events()
-    demo = Demo(2, rounds=None, workdir=tmp_path, on_event=events, listen={0: f"/ip4/127.0.0.1/tcp/{port}"})
+    demo = Demo(2, rounds=None, workdir=tmp_path, on_event=events, listen={0: f"/ip4/127.0.0.1/tcp/{port}"},
+                envs={i: {"SWARMSTREAM_LOG": "INFO"} for i in range(2)})
     demos.append(demo)
     demo.start()
     events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "synced" and not ev["alone"])
     demo.kill(0)  # the bootstrap peer (peer 1's only peer) vanishes
     events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "synced" and ev["alone"])
-    demo._spawn(0, ["--manifest", str(tmp_path / "demo.swarmrun")])  # back, at the same address
+    demo._spawn(0, ["--manifest", str(tmp_path / "demo.swarmrun")], demo.envs[0])  # back, at the same address
     _, ev = events.wait_for(lambda i, ev: i == 0 and ev.get("event") == "state_synced")
     events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "synced" and not ev["alone"])
     assert "reconnected through the bootstrap peers" in (tmp_path / "peer1.log").read_text()

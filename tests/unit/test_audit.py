@@ -17,6 +17,7 @@ from peer.allreduce import Group
 from peer.allreduce_round import Round
 from peer.audit import Audits, inputs_frames
 from peer.bans import Bans
+from peer.distrust import Distrust
 from protocol.audit import OK, UNPROVEN, WRONG, check, wrong_mean
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
@@ -151,9 +152,9 @@ def test_a_reducer_that_shows_a_heavier_own_weight_than_it_signed_is_proven():
 def test_proof_handed_on_by_another_member_is_checked_here_and_convicts_only_when_it_proves():
     means, shown, _ = reduce_and_audit(_vectors(3, 3 * 500, seed=11), "fp4", (1.0, 1.0, 1.0), 2.0, 256, _negate)
     honest_means, honest_shown, _ = reduce_and_audit(_vectors(3, 3 * 500, seed=11), "fp4", (1.0, 1.0, 1.0), 2.0, 256)
-    distrusted: list[bytes] = []
+    distrusted = Distrust()
     audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[4], banned=set()), rate=0.0, clip=2.0)
-    audits.distrust = distrusted.append
+    audits.distrust = distrusted
 
     def hand_on(sender: str, frames: list[bytes] | bytes) -> None:
         payload = frames if isinstance(frames, bytes) else msgpack.packb(frames, use_bin_type=True)
@@ -162,9 +163,10 @@ def test_proof_handed_on_by_another_member_is_checked_here_and_convicts_only_whe
     hand_on("a", honest_means + honest_shown)  # an honest mean: proves nothing
     hand_on("a", b"\x93not frames")
     hand_on("a", means + shown[:-1])  # incomplete
-    assert not audits.offences and not distrusted
+    assert not audits.offences and not distrusted.active()
     hand_on("b", means + shown)
-    assert [key for key, _, _ in audits.offences] == distrusted == [KEYS[0].public_key]
+    assert [key for key, _, _ in audits.offences] == [KEYS[0].public_key]
+    assert distrusted.banned(KEYS[0].public_key) and distrusted.active() == {KEYS[0].public_key}
     hand_on("c", means + shown)  # the same liar again: already convicted
     assert len(audits.offences) == 1
     for _ in range(20):  # a sender whose evidence proves nothing gets a bounded number of checks
