@@ -392,6 +392,7 @@ def decode_split(data: Any, *, max_size: int = MAX_FRAME_BYTES) -> tuple[Message
                 raise DecodeError(f"{schema.cls.__name__}.{name}: {type(e).__name__}: {e}") from None
     end = unpacker.tell()
     head_len = n
+    size = None
     if schema.has_payload:
         size, header = _bin_header(view, end, schema.cls.__name__)
         head_len = end + header
@@ -399,9 +400,20 @@ def decode_split(data: Any, *, max_size: int = MAX_FRAME_BYTES) -> tuple[Message
         if end > n:
             raise DecodeError(f"{schema.cls.__name__} payload is truncated: {size} bytes announced, "
                               f"{n - head_len} present")
-        values.append(view[head_len:end])
     if end != n:
         raise DecodeError(f"{n - end} trailing bytes after {schema.cls.__name__}")
+    # One message, one encoding: the head as ``frame_head`` writes it (msgpack's shortest forms,
+    # a bin32 payload header). Else the same signed message could travel as other bytes (an
+    # envelope's own fields are not signed), and bytes are what digests and evidence compare.
+    try:
+        canonical = frame_head(tag, values, size)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise DecodeError(f"{schema.cls.__name__}: {type(e).__name__}: {e}") from None
+    if view[:head_len] != canonical:
+        raise DecodeError(f"{schema.cls.__name__} is not in canonical form (msgpack's shortest encoding of each "
+                          f"field, a bin32 payload header)")
+    if schema.has_payload:
+        values.append(view[head_len:end])
     try:
         msg = schema.cls(**dict(zip(names, values)))
     except InvalidMessage as e:

@@ -165,6 +165,17 @@ def test_random_bytes_only_raise_protocol_errors(data):
         pass
 
 
+@pytest.mark.parametrize("where, inserted", [(1, b"\xd0"), (2, b"\xd0")])
+def test_a_signed_envelope_in_another_encoding_of_the_same_values_is_refused(where, inserted):
+    """One message, one byte string: re-encoding a field of the envelope in a longer msgpack
+    form (int8 0xd0 before a fixint: the same number) keeps the signed body intact, and was
+    accepted (hypothesis found it in CI). Evidence and digests compare bytes."""
+    wire = bytearray(seal(push_slice(bytes(64)), ALICE))
+    wire[where:where] = inserted
+    with pytest.raises(RemoteProtocolError, match="canonical"):
+        verify(bytes(wire))
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_mutated_envelopes_only_raise_protocol_errors(data):
