@@ -1,6 +1,7 @@
 """bench/quality.py runs end to end and its byte accounting holds (tiny sizes: seconds, not minutes)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,10 @@ def test_quality_bench_writes_the_table_and_consistent_byte_counts(tmp_path):
     out = tmp_path / "q.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--workers", "2", "--steps", "12",
                            "-H", "12", "--batch-size", "2", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=240,
+                          # one torch thread: beside other work, OpenMP's spinning threads made this 8 s run take
+                          # 228 s (six busy loops beside it; 32 s with one thread), past the timeout in a loaded CI run
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "held-out" in proc.stdout and "encode MB/s" in proc.stdout
     doc = json.loads(out.read_text())
