@@ -36,23 +36,7 @@ length is checked against a limit before anything is read (requests: ``MAX_REQUE
 index: ``MAX_HEAD_BYTES`` plus envelope overhead; a chunk: the index's ``chunk_bytes`` plus
 overhead), and every read and write has a deadline.
 
-Donor (``StateServer``)
------------------------
-``publish`` keeps a snapshot as the current state, and the one before it as the previous
-while a download may be of it (a session is open, or a joiner asked for it within
-``idle_timeout_s``), so a download that started just before a round landed still completes.
-Nothing is copied: chunks are read where the tensors lie (``pack_state``), and a node
-publishes the worker's own tensors, which its fragments copy on write (``OuterFragment.share``):
-serving costs no memory beyond the swarm state itself (2x the fp32 model) but, while the
-previous state is kept, the fragment that changed. A node uses ``publish_packed``: chunks are
-hashed in a worker thread, so the event loop that averages never waits on a large state, and
-only chunks that differ from the state served now are hashed (a landing changes one
-fragment). It answers ``RequestStateIndex`` with the current index and ``RequestStateChunk`` for either state; an
-unknown digest or chunk gets ``Rejected("not_found")``. At most ``max_concurrent`` sessions are
-served at once; a session beyond that gets ``Rejected("busy")`` to its first request and is
-closed. A session idle for ``idle_timeout_s`` is closed. A request that fails verification (bad
-signature, other run, signer other than the stream's peer) gets ``bad_request`` /
-``unknown_run`` and the session ends.
+Donor: ``peer.state_server.StateServer`` (publishing, serving, what it keeps).
 
 Joiner (``fetch_state``)
 ------------------------
@@ -82,7 +66,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,7 +73,7 @@ from typing import Any
 
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 
-from protocol.envelope import seal, seal_parts, verify
+from protocol.envelope import seal_parts, verify
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
 from protocol.messages import MAX_HEAD_BYTES, Message
@@ -101,261 +84,15 @@ from peer.globalstate import (  # noqa: F401  (re-exported: the state and its fo
     FORMAT, MAX_CHUNK_BYTES, GlobalState, PackedState, StateSyncError, apply, choose_digest, decode_state, encode_state,
     index_digest, index_packed, pack_state, packed_blob, snapshot,
 )
+from peer.state_server import ServerStats, StateServer  # noqa: F401  (re-exported: the donor)
+from peer.statewire import (  # noqa: F401  (handler_name re-exported)
+    ENVELOPE_OVERHEAD, Refused, close_writer, handler_name, read_frame, short_id, write_frame,
+)
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_BYTES = 4096
-"""Largest request frame a donor reads (a sealed RequestStateChunk is ~250 bytes)."""
 MAX_BUSY_RETRIES = 5
 """Busy answers in a row after which a donor is dropped from a fetch."""
-_ENVELOPE_OVERHEAD = 1024  # envelope and StateChunk heads around a payload, generously
-
-
-def handler_name(run_id: bytes) -> str:
-    """The libp2p stream protocol a run's donors serve state on."""
-    return f"swarmstream.state.{run_id.hex()}"
-
-
-# ---------------------------------------------------------------------------------------
-# Framing: u32 big-endian length, then one sealed envelope.
-
-
-class _Refused(Exception):
-    def __init__(self, code: str, detail: str):
-        super().__init__(f"refused: {code} ({detail})" if detail else f"refused: {code}")
-        self.code = code
-
-
-class _FrameTooLarge(RemoteProtocolError):
-    pass
-
-
-async def _write_frame(writer: asyncio.StreamWriter, parts: list[Any]) -> None:
-    writer.write(sum(len(p) for p in parts).to_bytes(4, "big"))
-    for p in parts:
-        writer.write(p)
-    await writer.drain()
-
-
-async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
-    size = int.from_bytes(await reader.readexactly(4), "big")
-    if size > limit:
-        raise _FrameTooLarge(f"frame of {size} bytes is over the {limit}-byte limit")
-    return await reader.readexactly(size)
-
-
-def _close(writer: asyncio.StreamWriter) -> None:
-    try:
-        writer.close()
-    except (OSError, RuntimeError):  # already closed, or the loop is going away
-        pass
-
-
-def _short(peer_id: str) -> str:
-    return f"...{peer_id[-6:]}"
-
-
-# ---------------------------------------------------------------------------------------
-# Donor.
-
-
-@dataclass(slots=True)
-class _Published:
-    digest: bytes
-    index: StateIndex
-    packed: PackedState
-    """Never changed once published (chunks are served as views into it where they can be)."""
-    sealed_index: bytes
-    asked_at: float = -math.inf
-    """When a joiner last asked for its index or a chunk of it (time.monotonic)."""
-
-
-@dataclass(slots=True)
-class ServerStats:
-    sessions: int = 0
-    chunks_served: int = 0
-    bytes_served: int = 0
-    busy: int = 0
-    """Sessions refused because ``max_concurrent`` were being served."""
-    bad_requests: int = 0
-
-
-class StateServer:
-    """Serves the current (and previous) global state to joiners; see the module docstring."""
-
-    def __init__(self, p2p: P2P, identity: Identity, run_id: bytes, *, chunk_bytes: int, max_concurrent: int = 2,
-                 idle_timeout_s: float = 30.0, send_timeout_s: float = 60.0):
-        if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
-            raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}, got {chunk_bytes}")
-        if max_concurrent < 0:
-            raise ValueError(f"max_concurrent must be >= 0, got {max_concurrent}")
-        self.p2p, self.identity, self.run_id = p2p, identity, run_id
-        self.chunk_bytes, self.max_concurrent = chunk_bytes, max_concurrent
-        self.idle_timeout_s, self.send_timeout_s = idle_timeout_s, send_timeout_s
-        self.name = handler_name(run_id)
-        self.stats = ServerStats()
-        self.corrupt_chunks: set[int] = set()
-        """Test only: chunk numbers served with one bit flipped (a donor with bad data)."""
-        self.stall_chunks: set[int] = set()
-        """Test only: chunk numbers never answered (a donor that hangs); the session ends when
-        the joiner hangs up, or after ``idle_timeout_s``."""
-        self._current: _Published | None = None
-        self._previous: _Published | None = None
-        self._publish_order = asyncio.Lock()
-        self._active = 0
-        self._tasks: set[asyncio.Task] = set()
-        self._closing = False
-
-    @property
-    def digest(self) -> bytes:
-        """Digest of the current state, b"" before the first ``publish``."""
-        return self._current.digest if self._current else b""
-
-    async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(self.name, self._handle)
-
-    async def publish(self, state: GlobalState) -> bytes:
-        """Serve ``state`` from now on; returns its digest. Hashes on the calling loop: a node
-        uses ``publish_packed``."""
-        packed = pack_state(state)
-        return self._publish(index_packed(packed, self.run_id, self.chunk_bytes, self._reuse()), packed)
-
-    async def publish_packed(self, packed: PackedState) -> bytes:
-        """``publish`` for a state packed where it cannot change (``pack_state`` of a shared
-        ``snapshot``): its chunks are hashed in a worker thread, so the event loop (this node's
-        averaging) never waits on them, and only the chunks that differ from the state served
-        now are hashed (a landing changes one fragment). Publishes in the order called."""
-        async with self._publish_order:
-            index = await asyncio.to_thread(index_packed, packed, self.run_id, self.chunk_bytes, self._reuse())
-            return self._publish(index, packed)
-
-    def publish_encoded(self, index: StateIndex, blob: bytearray | memoryview) -> bytes:
-        """``publish`` for a state already encoded by ``encode_state`` (call on the loop)."""
-        if index.run_id != self.run_id or len(blob) != index.total_bytes:
-            raise ValueError("the encoded state belongs to another run or does not match its index")
-        return self._publish(index, packed_blob(blob, index.rounds, index.step))
-
-    def _wanted(self, pub: _Published) -> bool:
-        """A download may be of ``pub``: a session is open, or a joiner asked for it lately (a
-        joiner reads the index on one session, then opens others for the chunks)."""
-        return self._active > 0 or time.monotonic() - pub.asked_at < self.idle_timeout_s
-
-    def _reuse(self) -> tuple[PackedState, StateIndex] | None:
-        return None if self._current is None else (self._current.packed, self._current.index)
-
-    def _publish(self, index: StateIndex, packed: PackedState) -> bytes:
-        d = index_digest(index)
-        if self._current is None or self._current.digest != d:
-            # the state before stays served while a download may be of it; else it is let go
-            # (the fragment that changed is the only memory it holds beyond the current one)
-            self._previous = self._current if self._current is not None and self._wanted(self._current) else None
-            self._current = _Published(d, index, packed, seal(index, self.identity))
-            log.info("state published digest=%s bytes=%d chunks=%d step=%d", d.hex()[:12], index.total_bytes,
-                     len(index.chunk_digests), index.step)
-        return d
-
-    async def shutdown(self) -> None:
-        self._closing = True
-        try:
-            await self.p2p.remove_binary_stream_handler(self.name)
-        except (P2PDaemonError, OSError, asyncio.IncompleteReadError) as e:  # the daemon may be gone already
-            log.debug("state handler removal failed reason=%r", e)
-        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _reject(self, request: int, code: str, detail: str) -> list[Any]:
-        return seal_parts(Rejected(run_id=self.run_id, request=request, code=code, detail=detail[:256]),
-                          self.identity)
-
-    async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = info.peer_id.to_base58()
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        serving = False
-        try:
-            if self._closing or self._active >= self.max_concurrent:
-                code = "shutting_down" if self._closing else "busy"
-                if code == "busy":
-                    self.stats.busy += 1
-                async with asyncio.timeout(self.idle_timeout_s):
-                    data = await _read_frame(reader, MAX_REQUEST_BYTES)
-                    v = verify(data, expect=(RequestStateIndex, RequestStateChunk), run_id=self.run_id, sender=peer)
-                    await _write_frame(writer, self._reject(int(v.message.TAG), code,
-                                                            f"{self._active} downloads in progress"))
-                return
-            self._active += 1
-            serving = True
-            self.stats.sessions += 1
-            await self._serve(peer, reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, asyncio.CancelledError) as e:
-            # the joiner hung up, went silent, or we are shutting down: the session just ends
-            log.debug("state session ended peer=%s reason=%r", peer, e)
-        except RemoteProtocolError as e:
-            self.stats.bad_requests += 1
-            log.info("state request refused peer=%s reason=%s", peer, e)
-        finally:
-            if serving:
-                self._active -= 1
-                if self._previous is not None and not self._wanted(self._previous):
-                    self._previous = None  # nobody downloads it
-            if task is not None:
-                self._tasks.discard(task)
-            _close(writer)
-
-    async def _serve(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            async with asyncio.timeout(self.idle_timeout_s):
-                data = await _read_frame(reader, MAX_REQUEST_BYTES)
-            try:
-                msg = verify(data, expect=(RequestStateIndex, RequestStateChunk), sender=peer).message
-            except RemoteProtocolError as e:  # counted and logged by _handle
-                async with asyncio.timeout(self.send_timeout_s):
-                    await _write_frame(writer, self._reject(0, "bad_request", str(e)))
-                raise
-            if msg.run_id != self.run_id:
-                self.stats.bad_requests += 1
-                async with asyncio.timeout(self.send_timeout_s):
-                    await _write_frame(writer, self._reject(int(msg.TAG), "unknown_run",
-                                                            "this peer serves another run"))
-                return
-            if isinstance(msg, RequestStateChunk) and msg.chunk in self.stall_chunks:
-                async with asyncio.timeout(self.idle_timeout_s):
-                    await reader.read()  # no answer; the session ends when the joiner gives up
-                return
-            async with asyncio.timeout(self.send_timeout_s):
-                await _write_frame(writer, self._answer(msg))
-
-    def _answer(self, msg: Message) -> list[Any]:
-        if isinstance(msg, RequestStateIndex):
-            if self._current is None:
-                return self._reject(int(msg.TAG), "not_found", "no state published yet")
-            self._current.asked_at = time.monotonic()
-            return [self._current.sealed_index]
-        assert isinstance(msg, RequestStateChunk)
-        pub = next((p for p in (self._current, self._previous) if p is not None and p.digest == msg.index_digest),
-                   None)
-        if pub is None:
-            return self._reject(int(msg.TAG), "not_found", f"state {msg.index_digest.hex()[:12]} is not held here")
-        pub.asked_at = time.monotonic()
-        count = len(pub.index.chunk_digests)
-        if msg.chunk >= count:
-            return self._reject(int(msg.TAG), "not_found", f"chunk {msg.chunk} of a state of {count} chunks")
-        size = pub.index.chunk_bytes
-        payload: bytes | bytearray | memoryview = pub.packed.read(msg.chunk * size, (msg.chunk + 1) * size)
-        if msg.chunk in self.corrupt_chunks:
-            payload = bytearray(payload)
-            payload[0] ^= 1
-        self.stats.chunks_served += 1
-        self.stats.bytes_served += len(payload)
-        return seal_parts(StateChunk(run_id=self.run_id, index_digest=pub.digest, chunk=msg.chunk, payload=payload),
-                          self.identity)
-
-
-# ---------------------------------------------------------------------------------------
-# Joiner.
 
 
 class _DonorFailed(Exception):
@@ -387,8 +124,8 @@ class _Session:
         """Send ``request``; the verified reply of type ``expect``. Raises _Busy or _DonorFailed."""
         try:
             async with asyncio.timeout(timeout_s):
-                await _write_frame(self.writer, seal_parts(request, identity))
-                data = await _read_frame(self.reader, limit)
+                await write_frame(self.writer, seal_parts(request, identity))
+                data = await read_frame(self.reader, limit)
             v = verify(data, expect=(expect, Rejected), run_id=request.run_id, sender=self.donor)
         except TimeoutError:
             raise _DonorFailed(f"no answer within {timeout_s:g} s") from None
@@ -399,11 +136,11 @@ class _Session:
         if isinstance(v.message, Rejected):
             if v.message.code == "busy":
                 raise _Busy(v.message.detail)
-            raise _DonorFailed(str(_Refused(v.message.code, v.message.detail)))
+            raise _DonorFailed(str(Refused(v.message.code, v.message.detail)))
         return v
 
     def close(self) -> None:
-        _close(self.writer)
+        close_writer(self.writer)
 
 
 @dataclass(slots=True)
@@ -466,7 +203,7 @@ class _Donors:
             await asyncio.sleep(min(d.busy_until for d in alive) - now)  # a backoff, bounded by chunk_timeout_s
 
     def summary(self) -> str:
-        return "; ".join(f"{_short(p)}: {r}" for p, r in self.stats.dropped.items())
+        return "; ".join(f"{short_id(p)}: {r}" for p, r in self.stats.dropped.items())
 
 
 async def current_indexes(p2p: P2P, identity: Identity, run_id: bytes, donors: list[str], *,
@@ -486,10 +223,10 @@ async def current_indexes(p2p: P2P, identity: Identity, run_id: bytes, donors: l
         try:
             session = await _Session.open(p2p, donor, name, timeout_s)
             v = await session.ask(RequestStateIndex(run_id=run_id), identity, StateIndex,
-                                  limit=MAX_HEAD_BYTES + _ENVELOPE_OVERHEAD, timeout_s=timeout_s)
+                                  limit=MAX_HEAD_BYTES + ENVELOPE_OVERHEAD, timeout_s=timeout_s)
             return donor, (sha256(v.body), v.message)
         except (_Busy, _DonorFailed) as e:
-            log.info("no state index from donor peer=%s reason=%s", _short(donor), e)
+            log.info("no state index from donor peer=%s reason=%s", short_id(donor), e)
             return donor, None
         finally:
             if session is not None:
@@ -528,7 +265,7 @@ async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[
         try:
             session = await _Session.open(p2p, donor, name, chunk_timeout_s)
             v = await session.ask(RequestStateIndex(run_id=run_id), identity, StateIndex,
-                                  limit=MAX_HEAD_BYTES + _ENVELOPE_OVERHEAD, timeout_s=chunk_timeout_s)
+                                  limit=MAX_HEAD_BYTES + ENVELOPE_OVERHEAD, timeout_s=chunk_timeout_s)
         except _Busy:
             pool.busy(donor)
             continue
@@ -594,7 +331,7 @@ async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[
                             session = await _Session.open(p2p, donor, name, chunk_timeout_s)
                             opened[donor] = opened.get(donor, 0) + 1
                         v = await session.ask(RequestStateChunk(run_id=run_id, index_digest=digest, chunk=i),
-                                              identity, StateChunk, limit=size + _ENVELOPE_OVERHEAD,
+                                              identity, StateChunk, limit=size + ENVELOPE_OVERHEAD,
                                               timeout_s=chunk_timeout_s)
                         got = v.message
                         if got.index_digest != digest or got.chunk != i:
@@ -644,5 +381,5 @@ async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     log.info("state fetch done digest=%s chunks_by_donor=%s", want,
-             {_short(p): c for p, c in stats.chunks.items()})
+             {short_id(p): c for p, c in stats.chunks.items()})
     return decode_state(index, blob)
