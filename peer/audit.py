@@ -12,7 +12,10 @@ frames. The auditor recomputes the mean off the training path (the round has lan
   with them as evidence (``peer.bans``) and stops grouping with it;
 - a reducer that does not show inputs matching its commitment within ``2 x`` the round's
   deadline (``UNPROVEN``) proves nothing (a peer killed right after the round cannot answer),
-  so this member only suspends it from its groups for a while (``peer.distrust``).
+  so this member only suspends it from its groups for a while (``peer.distrust``); one whose
+  answer covered the whole part with inputs other than those it committed to
+  (``NOT_COMMITTED``) did what no crash does, and this member never groups with it again
+  (there is no proof to hand on).
 
 An honest round's members all hold the reducer's one signed mean (``peer.allreduce_round``
 agreement), so a lie caught this way was landed alike by every honest member: they stay
@@ -35,7 +38,7 @@ import msgpack
 
 from peer.bans import MAX_EVIDENCE_FRAMES
 from peer.distrust import Distrust
-from protocol.audit import OWN_CODEC, UNPROVEN, WRONG, check
+from protocol.audit import NOT_COMMITTED, OWN_CODEC, UNPROVEN, WRONG, check
 from protocol.envelope import Verified, seal_parts, verify
 from protocol.errors import RemoteProtocolError
 from protocol.evidence import proves
@@ -134,8 +137,13 @@ class Audits:
             del self._open[key]
         verdict, reducer, why = check(mean_frames, pending.frames, g.run_id, self.clip)
         self.counts[verdict] += 1
-        suspended = (self.distrust.suspend(bytes(g.members[j]), g.formed_at)
-                     if verdict == UNPROVEN and self.distrust is not None else 0)
+        suspended, lied = 0, False
+        if verdict == UNPROVEN and self.distrust is not None:
+            lied = why == NOT_COMMITTED and pending.done.is_set()  # a whole answer, other inputs than committed
+            if lied:  # no crash, no cut link does that
+                self.distrust.ban(bytes(g.members[j]))
+            else:  # no answer, or not all of it: a crash or a cut link does that too
+                suspended = self.distrust.suspend(bytes(g.members[j]), g.formed_at)
         if verdict == WRONG and reducer is not None:
             log.warning("audit: reducer signed a wrong mean part=%d reducer=%s group=%s: %s", j, pending.reducer,
                         g.group_id.hex(), why)
@@ -145,6 +153,7 @@ class Audits:
         elif verdict == UNPROVEN:
             log.warning("audit: reducer did not show the inputs of its mean part=%d reducer=%s group=%s: %s; %s",
                         j, pending.reducer, g.group_id.hex(), why,
+                        "not grouping with it any more" if lied else
                         f"not grouping with it for {suspended} syncs" if suspended else "judged already")
             if suspended:
                 self.suspended.append((bytes(g.members[j]), suspended))

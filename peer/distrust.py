@@ -2,9 +2,11 @@
 
 Two kinds, because two kinds of evidence come in:
 
-- **Banned, for good**: a proven lie (``peer.bans``, on disk across restarts) or a reduced
-  part too large for its contributions (refused in the round itself, for the life of the
-  process). An honest peer produces neither.
+- **Banned, for good**: a proven lie (``peer.bans``, on disk across restarts); for the life of
+  the process, a reduced part too large for its contributions (refused in the round itself)
+  and an audit answered with other inputs than the mean committed to. An honest peer makes
+  none of these, but the too-large refusal is not proof: a member that under-reports its own
+  norm can make an honest reducer's mean look too large (docs/THREAT_MODEL.md).
 - **Suspended, for a while**: a reducer that did not show the inputs of a mean we audited
   (``peer.audit``, verdict ``UNPROVEN``). That proves nothing: a peer killed or cut off right
   after a round cannot answer, and the same peer, restarted, is honest again. Shutting it out
@@ -13,12 +15,14 @@ Two kinds, because two kinds of evidence come in:
   So the first suspension lasts ``SUSPEND`` of our syncs, and each one after it twice as long
   as the one before, up to ``SUSPEND_MAX``: a reducer that withholds its inputs on purpose
   spends most of its time outside this node's groups, and a peer that crashed once is back a
-  few rounds later. Counted in our syncs (``tick``, at each landing), not seconds, so that it
-  means the same in a run of 2 s rounds and one of 10 min rounds; it stands still while we
-  are paused.
-  An unanswered audit is not evidence others can check, so each auditor judges for itself;
+  few rounds later. Each ``SUSPEND_MAX`` syncs without a new incident forgive one, so a
+  volunteer whose machine dies now and then does not climb to the longest suspension.
+  Counted in our syncs (``tick``, at each landing), not seconds, so that it means the same
+  in a run of 2 s rounds and one of 10 min rounds; it stands still while we are paused. An
+  unanswered audit is not evidence others can check, so each auditor judges for itself;
   a liar that refuses audits stays in the groups of members that did not audit it, whatever
-  the length of the suspension (docs/THREAT_MODEL.md).
+  the length of the suspension, and lands the lies an audit would have proven in the rounds
+  it is back in (docs/THREAT_MODEL.md: the price of not shutting out crashed peers).
 
 Thread-safe: the audit's verdicts come on the network thread, the round's on the training
 thread, and the matchmaking reads on the network thread.
@@ -67,14 +71,17 @@ class Distrust:
         audit's timeout after their round, and groups form ahead of their round, so several
         rounds with the reducer are judged after the first verdict: one on a group formed
         before the last suspension began (or at the same count: we cannot tell which came
-        first), or while one runs, is that incident again (each part we held from the reducer
-        is audited alike), and neither doubles nor restarts it."""
+        first), and any verdict that comes while a suspension runs, is that incident again
+        (each part we held from the reducer is audited alike): it neither doubles nor
+        restarts it."""
         key = bytes(key)
         with self._lock:
             formed_at = self.syncs if formed_at is None else formed_at
             if key in self._banned or formed_at <= self._began.get(key, -1) or self._until.get(key, -1) > self.syncs:
                 return 0
             n = self._count.get(key, 0)
+            if key in self._began:  # one incident forgiven per SUSPEND_MAX syncs without one
+                n = max(0, n - (self.syncs - self._began[key]) // self.suspend_max)
             length = min(self.suspend_for * 2 ** n, self.suspend_max)
             self._count[key] = n + 1
             self._began[key], self._until[key] = self.syncs, self.syncs + length
@@ -84,7 +91,7 @@ class Distrust:
         return bytes(key) in self._banned
 
     def __contains__(self, key: object) -> bool:
-        if not isinstance(key, (bytes, bytearray)):
+        if not isinstance(key, (bytes, bytearray, memoryview)):
             return False
         key = bytes(key)
         with self._lock:

@@ -48,6 +48,11 @@ __all__ = ["OK", "TOLERANCE", "UNPROVEN", "WRONG", "check", "contribution_digest
            "wrong_mean"]
 
 OK, WRONG, UNPROVEN = "ok", "wrong", "unproven"
+NOT_COMMITTED = "the inputs shown are not the ones the reducer committed to"
+"""What an ``UNPROVEN`` verdict says when the inputs shown (one set per contributor) are not the
+ones the mean commits to. An answer cut short says it too; one that covered the whole part
+(``peer.audit`` knows) is no proof others can check, but no crash does that, and the auditor
+shuts the reducer out for good."""
 TOLERANCE = 0.02
 """A signed mean further than this x the sum of the weighted, clipped contributions' norms
 from the recomputed one is wrong. An honest mean is within float rounding (~1e-7) of it."""
@@ -117,7 +122,7 @@ def _check(means: list[Verified], input_frames: Sequence[bytes], run_id: bytes,
     commitment = inputs_digest(contribution_digest(k, weights[k], [(o, n, d) for o, n, d, _ in chunks])
                                for k, chunks in by_signer.items())
     if commitment != bytes(head.inputs):
-        return UNPROVEN, reducer, "the inputs shown are not the ones the reducer committed to"
+        return UNPROVEN, reducer, NOT_COMMITTED
 
     keys = sorted(by_signer)
     values = []

@@ -18,7 +18,7 @@ from peer.allreduce_round import Round
 from peer.audit import Audits, inputs_frames
 from peer.bans import Bans
 from peer.distrust import Distrust
-from protocol.audit import OK, UNPROVEN, WRONG, check, wrong_mean
+from protocol.audit import NOT_COMMITTED, OK, UNPROVEN, WRONG, check, wrong_mean
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 from protocol.evidence import proves
@@ -130,7 +130,9 @@ def test_inputs_other_than_the_committed_ones_prove_nothing():
     g = _group(3, vectors[0].numel(), "fp4", (1.0, 1.0, 1.0))
     other = _push(g, 1, 0, -vectors[1], 256)
     swapped = [f for f in shown if verify(f).signer != KEYS[1].public_key] + other
-    assert check(means, swapped, RUN, 2.0)[0] == UNPROVEN
+    # other inputs than committed (when they cover the whole part, no crash does that: peer.audit
+    # then shuts the reducer out for good; a cut answer is only incomplete, and suspends it)
+    assert check(means, swapped, RUN, 2.0)[::2] == (UNPROVEN, NOT_COMMITTED)
     assert check(means, shown[:-1], RUN, 2.0)[0] == UNPROVEN  # incomplete
     assert check(means, [], RUN, 2.0)[0] == UNPROVEN
     assert wrong_mean(means + swapped, RUN, 2.0) is None
@@ -146,7 +148,7 @@ def test_a_reducer_that_shows_a_heavier_own_weight_than_it_signed_is_proven():
             f = seal(dataclasses.replace(v.message, weight=5.0), KEYS[0])
         heavier.append(f)
     # the weight is part of the commitment: a reducer that shows another one did not show its inputs
-    assert check(means, heavier, RUN, 2.0)[0] == UNPROVEN
+    assert check(means, heavier, RUN, 2.0)[::2] == (UNPROVEN, NOT_COMMITTED)
 
 
 def test_proof_handed_on_by_another_member_is_checked_here_and_convicts_only_when_it_proves():

@@ -72,3 +72,14 @@ def test_late_verdicts_on_groups_formed_before_a_suspension_are_the_same_inciden
     assert d.suspend(A, formed_at=9) == 0 and A not in d  # over: a group formed before it does not start another
     assert d.suspend(A, formed_at=10) == 0 and A not in d  # nor one formed at the count it began at
     assert d.suspend(A, formed_at=18) == 16 and A in d  # one formed after it: the second suspension, twice as long
+
+
+def test_each_suspend_max_syncs_without_an_incident_forgive_one():
+    d = Distrust(suspend=8, suspend_max=64)
+    assert d.suspend(A) == 8
+    _ticks(d, 100)
+    assert d.suspend(A) == 8  # 100 syncs later: one of one incident forgiven
+    _ticks(d, 10)
+    assert d.suspend(A) == 16  # 10 syncs later: nothing forgiven
+    _ticks(d, 200)
+    assert d.suspend(A) == 8  # 200 syncs (3 x 64) later: both forgiven
