@@ -120,3 +120,19 @@ def shared_landings(events, peers: tuple[int, ...]) -> dict[tuple[int, int, str]
     return {k: {d for _, d in by_peer.values()} for k, by_peer in landed.items()
             if len(by_peer) == len(peers) and len({b for b, _ in by_peer.values()}) == 1
             and "?" not in {b for b, _ in by_peer.values()}}
+
+
+def last_landings_shared(events, peers: tuple[int, ...]) -> bool:
+    """Whether ``peers`` landed the last round of every fragment in one group, from one copy:
+    then their final global copies must be identical. (A run that ends right after a round in
+    which they split, or averaged alone, ends before the repair that would follow.)"""
+    last: dict[tuple[int, int], tuple[str | None, dict]] = {}
+    for i, before, ev in landings(events, peers):
+        last[(i, ev["fragment"])] = (before, ev)
+    for f in {f for _, f in last}:
+        mine = [last.get((i, f)) for i in peers]
+        if any(m is None or m[1]["alone"] or m[0] == "?" for m in mine):
+            return False
+        if len({(m[0], m[1]["round"], m[1]["group"]) for m in mine}) != 1:
+            return False
+    return True

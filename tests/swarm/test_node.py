@@ -11,7 +11,7 @@ import torch
 
 from peer.demo import Demo
 import swarm_peers
-from swarm_util import Events, landings, start_process
+from swarm_util import Events, last_landings_shared, start_process
 from peer.identity_store import load_or_create_identity
 from peer.network import Network, NetworkConfig
 from peer.presence import Presence
@@ -61,22 +61,6 @@ def finish_after_a_clean_round(demo, events, peers: int, within_s: float, failur
         events.wait_for(lambda i, ev: ev.get("event") == "synced", timeout=left)
     for i in range(peers):
         call(demo.control_path(i), FinishAndStop)
-
-
-def last_landings_shared(events, peers: tuple[int, ...]) -> bool:
-    """Whether ``peers`` landed the last round of every fragment in one group, from one copy:
-    then their final global copies must be identical. (A run that ends right after a round in
-    which they split, or averaged alone, ends before the repair that would follow.)"""
-    last: dict[tuple[int, int], tuple[str | None, dict]] = {}
-    for i, before, ev in landings(events, peers):
-        last[(i, ev["fragment"])] = (before, ev)
-    for f in {f for _, f in last}:
-        mine = [last.get((i, f)) for i in peers]
-        if any(m is None or m[1]["alone"] or m[0] == "?" for m in mine):
-            return False
-        if len({(m[0], m[1]["round"], m[1]["group"]) for m in mine}) != 1:
-            return False
-    return True
 
 
 def run_until_four_average_as_one(demo, events, demos) -> dict:
