@@ -234,7 +234,7 @@ class SyncMixin:
             round_s = self.worker.schedule.inner_steps * (statistics.median(cycles) if cycles else 0.0)
             if self._clock.kept_waiting(outcome.kept_waiting_s, round_s,
                                         late_share=self.signed.manifest.train.sync.late_share):
-                log.info("our groups waited %.1f s for our part, at %d syncs running: slower than the swarm, "
+                log.info("our group waited %.1f s for our part (%d sync(s) running): slower than the swarm, "
                          "following its rounds", outcome.kept_waiting_s, STRAGGLED)
             size = result[1]
             self._remember(FragmentSynced(
