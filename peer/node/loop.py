@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import statistics
 import threading
 import time
 from collections import deque
@@ -48,7 +47,6 @@ from peer.node.config import (
     CONFIRM_REASON,
     NodeConfig,
     NodeStats,
-    global_digest,
     lock_identity,
 )
 from peer.node.peers import PeersMixin
@@ -202,31 +200,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             self._emit(StateChanged(at=time.time(), old=old, new=new, reason=reason))
             self.on_event({"event": "state", "state": new, "reason": reason})
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
     # --- the loop --------------------------------------------------------------------------
-
-
-
-
-
 
     def _pause_wanted(self) -> str:
         if self._awaiting_confirm():
@@ -399,33 +373,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
         self._save()
         self.ledger.save()
         wall = time.perf_counter() - t_start
-        heldout = self._evaluate(worker)
-        return {
-            "peer": self.identity.peer_id, "steps": worker.step, "steps_trained": self.stats.inner_steps, "tokens": worker.tokens,
-            "rounds": min(self.stats.rounds) if self.stats.rounds else 0,
-            "heldout_loss": heldout, "bytes_sent": self.stats.bytes_sent,
-            "bytes_received": self.stats.bytes_received, "syncs": self.stats.syncs,
-            "syncs_alone": self.stats.syncs_alone, "syncs_failed": self.stats.syncs_failed,
-            "dropped_peers": self.stats.dropped_peers,
-            "landed_late_steps": round(statistics.mean(self.stats.late_steps), 2) if self.stats.late_steps else 0.0,
-            "waited_s": round(self.stats.waited_s, 3), "checks_s": round(self.stats.checks_s, 3),
-            "blocked_s": round(self.stats.waited_s + self.stats.checks_s, 3),
-            "paused_s": round(self.stats.paused_s, 3), "inner_s": round(self.stats.inner_s, 3),
-            "wall_s": round(wall, 3), "global_digest": global_digest(worker),
-            "allreduce_s": [round(x, 3) for x in list(self.stats.allreduce_s)[-50:]],
-            "steps_skipped": self.stats.steps_skipped,
-            "waits_s": [[p, r, round(w, 3)] for p, r, w in list(self.stats.waits)[-50:]],
-        }
-
-
-
-
-
-
-
-
-
-
+        return self._summary(worker, wall, self._evaluate(worker))
 
     def stop(self) -> None:
         self.stop_event.set()

@@ -5,13 +5,14 @@ leave, settings)."""
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from peer.control import CommandError
-from peer.node.config import CONFIRM_REASON
+from peer.node.config import CONFIRM_REASON, global_digest
 from peer.ratelimit import mbps_to_bytes_per_s
 from peer.settings_store import save_settings
 from protocol.errors import ConfigError
@@ -206,3 +207,23 @@ class VolunteerMixin:
         net = self.settings.network
         self.upload_limiter.set_rate(mbps_to_bytes_per_s(net.max_upload_mbps))
         self.download_limiter.set_rate(mbps_to_bytes_per_s(net.max_download_mbps))
+
+    def _summary(self, worker, wall: float, heldout: float) -> dict:
+        """What ``run`` returns when the node stops: steps, rounds, held-out loss, bytes, syncs and
+        how they went, time trained, waited and paused, and the global copy's digest."""
+        return {
+            "peer": self.identity.peer_id, "steps": worker.step, "steps_trained": self.stats.inner_steps, "tokens": worker.tokens,
+            "rounds": min(self.stats.rounds) if self.stats.rounds else 0,
+            "heldout_loss": heldout, "bytes_sent": self.stats.bytes_sent,
+            "bytes_received": self.stats.bytes_received, "syncs": self.stats.syncs,
+            "syncs_alone": self.stats.syncs_alone, "syncs_failed": self.stats.syncs_failed,
+            "dropped_peers": self.stats.dropped_peers,
+            "landed_late_steps": round(statistics.mean(self.stats.late_steps), 2) if self.stats.late_steps else 0.0,
+            "waited_s": round(self.stats.waited_s, 3), "checks_s": round(self.stats.checks_s, 3),
+            "blocked_s": round(self.stats.waited_s + self.stats.checks_s, 3),
+            "paused_s": round(self.stats.paused_s, 3), "inner_s": round(self.stats.inner_s, 3),
+            "wall_s": round(wall, 3), "global_digest": global_digest(worker),
+            "allreduce_s": [round(x, 3) for x in list(self.stats.allreduce_s)[-50:]],
+            "steps_skipped": self.stats.steps_skipped,
+            "waits_s": [[p, r, round(w, 3)] for p, r, w in list(self.stats.waits)[-50:]],
+        }
