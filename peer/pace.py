@@ -46,6 +46,9 @@ groups about 2 s at each of its first two syncs, 4.4 s of the fast peers' 5.7-7.
 waiting in a 10-round ``bench/swarm.py --slow 2`` run at H = 40; with one, only at its
 first.) An equal peer that was late once (a checkpoint, a neighbour's burst on shared cores)
 follows for ``HOLD_FOR`` intervals, training a few steps fewer, and is fast again after.
+Nor need it wait to be waited for: a node still more than ``straggle_steps`` short of a
+round's start when half its group's other members have started it is the straggler at once
+(``SwarmClock.straggling``), and follows before they wait for it.
 
 One peer lying about its pace does not move a median; a liar in a swarm of two (or a colluding
 majority) can make a node a follower, which then trains fewer steps per round but still
@@ -57,6 +60,7 @@ never back: a node ahead of the others waits for them at matchmaking
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -72,6 +76,15 @@ since each trains on so far past a landing step whose result is late
 STRAGGLED = 1  # syncs in a row at which our group waited for us before a node is slow ...
 HOLD_FOR = 3.0  # ... for at least this many heartbeat intervals
 TRAINING = frozenset({"training", "averaging", "finishing"})
+
+
+def straggle_steps(inner_steps: int, late_share: float = 0.1) -> int:
+    """How many inner steps short of a round's start step we may be when half our group's
+    other members start it, before we are the straggler (``SwarmClock.straggling``): the
+    share of a round that ``kept_waiting`` allows, in steps. Equal peers drift apart by up to
+    the run's ``late_share`` of a round (each trains on that far past a late landing), so
+    twice that, and at least ``STRAGGLE_SHARE``."""
+    return max(1, math.ceil(max(STRAGGLE_SHARE, 2 * late_share) * inner_steps))
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +155,17 @@ class SwarmClock:
             if own_pace > FAST_ABOVE * swarm:
                 self._slow = False
         return self._slow
+
+    def straggling(self, now: float | None = None) -> bool:
+        """Half our group's other members started a round while we were still more than
+        ``straggle_steps`` short of its start step: we are the straggler now, before they wait
+        for us (``kept_waiting`` says so only after they did). Slow, and held so for
+        ``HOLD_FOR`` heartbeat intervals. -> whether this made us slow (False: we were already)."""
+        now = time.monotonic() if now is None else now
+        if now < self._held_until:
+            return False
+        self._slow, self._held_until, self._below_since = True, now + HOLD_FOR * self.interval_s, None
+        return True
 
     def kept_waiting(self, waited_s: float, round_s: float, now: float | None = None,
                      late_share: float = 0.1) -> bool:

@@ -279,6 +279,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
             # group takes to form, so the group is there when the pseudo-gradient is (here, before
             # the step, so that a fresh run's first groups form during its first steps)
             step = worker.step
+            self._check_straggling(worker, pipeline)  # the others started a round we are far from
             following = self._following()  # slower than the swarm: join when the others do (peer.pace)
             for p, r, at in pipeline.joins(step, self._lead_steps(), before_round=last_round):
                 # the weight it will carry, capped as begin_sync caps it (more than H steps' worth

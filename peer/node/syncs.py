@@ -18,7 +18,7 @@ import torch
 from peer.node.config import (
     _fault_due,
 )
-from peer.pace import STRAGGLED
+from peer.pace import STRAGGLED, straggle_steps
 from peer.sync_pipeline import Forming, InFlight
 from protocol.butterfly import slice_bounds
 from protocol.identity import peer_id_from_public_key
@@ -88,6 +88,26 @@ class SyncMixin:
             self.stats.steps_skipped += 1
             passed.append(worker.step)
         return passed
+
+    def _check_straggling(self, worker, pipeline) -> None:
+        """Before an inner step: if half the other members of a group formed with us have
+        started its round while we are still more than ``straggle_steps`` short of its start
+        step, we are the straggler, now: we follow (``peer.pace``), so ``_keep_pace`` moves us
+        on to the start and hands over what we trained. Waiting to be told by
+        ``kept_waiting`` after the sync held every fast member of the group for as long as we
+        took to get there (about 2 s at the first sync of a peer half as fast, H = 40)."""
+        behind = straggle_steps(worker.schedule.inner_steps, self.signed.manifest.train.sync.late_share)
+        for f in pipeline.forming():
+            fut = f.handle[0]
+            if f.starts_after - worker.step <= behind or not fut.done() or fut.cancelled() or fut.exception():
+                continue
+            group = fut.result()
+            if group is None:
+                continue
+            others = [peer_id_from_public_key(k) for k in group.members if k != self.identity.public_key]
+            if self.averager.pending.started(bytes(group.group_id), others) and self._clock.straggling():
+                log.info("the others started fragment %d round %d while we were %d steps short of it: slower "
+                         "than the swarm, following its rounds", f.fragment, f.round, f.starts_after - worker.step)
 
     def _others_started(self, group_future) -> bool:
         """Whether half the other members of a formed group have sent us frames for it (they

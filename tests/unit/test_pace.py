@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.pace import FAST_ABOVE, SLOW_BELOW, SLOW_FOR, SwarmClock
+from peer.pace import FAST_ABOVE, SLOW_BELOW, SLOW_FOR, SwarmClock, straggle_steps
 
 
 def beat(clock: SwarmClock, key: bytes, t: float, steps: int, state: str = "training") -> None:
@@ -136,3 +136,17 @@ def test_kept_waiting_needs_half_a_second_and_a_fifth_of_a_round():
         assert not c.kept_waiting(1.55, round_s=8.0, now=0.0)
         # a run that lets results land up to 0.3 of a round late: equal peers drift that far
         assert not c.kept_waiting(4.5, round_s=8.0, now=0.0, late_share=0.3)
+
+
+def test_a_node_far_short_of_a_round_the_others_started_is_the_straggler_at_once():
+    """Half its group started a round while it was more than twice the run's late share of
+    a round short of it (or a fifth of a round, if more): it follows now, held so, rather
+    than after the others waited for it. Equal peers drift apart by up to the late share."""
+    assert straggle_steps(40, 0.1) == 8 and straggle_steps(100, 0.1) == 20
+    assert straggle_steps(100, 0.25) == 50 and straggle_steps(3, 0.0) == 1
+    c = SwarmClock(heartbeat_interval_s=2.0, tokens_per_step=100)
+    assert not c.is_slow(None, now=1.0)  # no pace known yet: the first sync of a run
+    assert c.straggling(now=1.0)
+    assert not c.straggling(now=2.0)  # already: told once
+    assert c.is_slow(None, now=1.0 + 3 * 2.0 - 0.1)  # held for three heartbeat intervals
+    assert not c.is_slow(None, now=1.0 + 3 * 2.0 + 0.1)  # then the pace test decides
