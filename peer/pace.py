@@ -46,9 +46,11 @@ groups about 2 s at each of its first two syncs, 4.4 s of the fast peers' 5.7-7.
 waiting in a 10-round ``bench/swarm.py --slow 2`` run at H = 40; with one, only at its
 first.) An equal peer that was late once (a checkpoint, a neighbour's burst on shared cores)
 follows for ``HOLD_FOR`` intervals, training a few steps fewer, and is fast again after.
-Nor need it wait to be waited for: a node still more than ``straggle_steps`` short of a
-round's start when half its group's other members have started it is the straggler at once
-(``SwarmClock.straggling``), and follows before they wait for it.
+Nor need it wait to be waited for at a run's first sync, before its pace is known: a node
+still more than ``straggle_steps`` short of a round's start when half its group's other
+members have started it is the straggler at once (``SwarmClock.straggling``), and follows
+before they wait for it. (Only while its pace is unknown: a member that pauses starts its
+forming groups early, which is no sign that we are behind.)
 
 One peer lying about its pace does not move a median; a liar in a swarm of two (or a colluding
 majority) can make a node a follower, which then trains fewer steps per round but still

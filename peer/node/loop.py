@@ -287,7 +287,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
                 planned = min(worker.tokens_since_sync[p] + tokens * (at - step), train.max_sync_tokens())
                 follow = None
                 if following:  # it starts when its group has formed: what we train until then
-                    own, formation = self._own_pace() or 1.0, self.matchmaker.formation_s()
+                    own, formation = self._own_pace(timed=1) or 1.0, self.matchmaker.formation_s()
                     planned = min(worker.tokens_since_sync[p] + tokens * math.ceil(formation * own),
                                   train.max_sync_tokens())
                     follow = (max(0.5, (at - step) / own - formation), tokens * own)

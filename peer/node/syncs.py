@@ -18,7 +18,7 @@ import torch
 from peer.node.config import (
     _fault_due,
 )
-from peer.pace import STRAGGLED, straggle_steps
+from peer.pace import straggle_steps
 from peer.sync_pipeline import Forming, InFlight
 from protocol.butterfly import slice_bounds
 from protocol.identity import peer_id_from_public_key
@@ -51,13 +51,14 @@ class SyncMixin:
             return 0
         return self.worker.schedule.inner_steps
 
-    def _own_pace(self) -> float | None:
+    def _own_pace(self, timed: int = PACE_STEPS) -> float | None:
         """Inner steps per second we train at (compute and the volunteer's rest; waits on the
-        network left out), once ``PACE_STEPS`` steps are timed: the first steps warm up,
-        slower, and with 5 timed a peer as fast as the others took itself for slow at step 6,
-        moved its counter a whole round on, and trained alone out of step."""
+        network left out), once ``timed`` steps are timed (``PACE_STEPS`` to compare with the
+        swarm: the first steps warm up, slower, and with 5 timed a peer as fast as the others
+        took itself for slow at step 6, moved its counter a whole round on, and trained alone
+        out of step; 1 to plan a follower's join, which may come before that)."""
         cycles = self.stats.cycle_times
-        return 1.0 / max(statistics.median(cycles), 1e-3) if len(cycles) >= PACE_STEPS else None
+        return 1.0 / max(statistics.median(cycles), 1e-3) if len(cycles) >= max(1, timed) else None
 
     def _following(self) -> bool:
         """Slower than the swarm: we join our rounds when the others do and start them when
@@ -90,12 +91,19 @@ class SyncMixin:
         return passed
 
     def _check_straggling(self, worker, pipeline) -> None:
-        """Before an inner step: if half the other members of a group formed with us have
-        started its round while we are still more than ``straggle_steps`` short of its start
-        step, we are the straggler, now: we follow (``peer.pace``), so ``_keep_pace`` moves us
-        on to the start and hands over what we trained. Waiting to be told by
-        ``kept_waiting`` after the sync held every fast member of the group for as long as we
-        took to get there (about 2 s at the first sync of a peer half as fast, H = 40)."""
+        """Before an inner step, while our pace is not known yet (fewer than ``PACE_STEPS``
+        steps timed: a run's first sync, or the first after a restart): if half the other
+        members of a group formed with us have started its round while we are still more than
+        ``straggle_steps`` short of its start step, we are the straggler, now: we follow
+        (``peer.pace``), so ``_keep_pace`` moves us on to the start and hands over what we
+        trained. Waiting to be told by ``kept_waiting`` after the sync held every fast member of
+        the group for as long as we took to get there (about 2 s at the first sync of a peer
+        half as fast, H = 40). Later the pace test and ``kept_waiting`` decide: a member that
+        pauses or finishes starts its forming groups early (``_start_forming_now``), and an
+        equal peer that took that for being behind would move its counter most of a round on.
+        """
+        if self._own_pace() is not None:
+            return
         behind = straggle_steps(worker.schedule.inner_steps, self.signed.manifest.train.sync.late_share)
         for f in pipeline.forming():
             fut = f.handle[0]
@@ -254,8 +262,8 @@ class SyncMixin:
             round_s = self.worker.schedule.inner_steps * (statistics.median(cycles) if cycles else 0.0)
             if self._clock.kept_waiting(outcome.kept_waiting_s, round_s,
                                         late_share=self.signed.manifest.train.sync.late_share):
-                log.info("our group waited %.1f s for our part (%d sync(s) running): slower than the swarm, "
-                         "following its rounds", outcome.kept_waiting_s, STRAGGLED)
+                log.info("our group waited %.1f s for our part: slower than the swarm, following its rounds",
+                         outcome.kept_waiting_s)
             size = result[1]
             self._remember(FragmentSynced(
                 at=time.time(), fragment=fragment, round=round_, group_size=size,
