@@ -197,6 +197,10 @@ class PushSlice(_Slice):
     """A member's encoded slice ``part``, sent to the member that reduces it. A slice larger
     than ``MAX_FRAME_BYTES`` is sent as several PushSlices with consecutive offsets."""
 
+    stopping: Annotated[bool, Bool()]
+    """The sender pauses or finishes: it started this round before its landing step, not
+    because it reached it. The receiver does not count such frames as having waited for it
+    (``peer.pace``: a node that keeps its group waiting is slow and follows)."""
     payload: Bulk
     """``protocol.codecs`` output for ``numel`` elements, as opaque bytes."""
 
