@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from peer.node.config import (
+    _fault_alone,
     _fault_due,
 )
 from peer.pace import straggle_steps
@@ -165,6 +166,9 @@ class SyncMixin:
     async def _form_group(self, fragment: int, round_: int, weight: float, numel: int,
                           follow: tuple[float, float] | None = None):
         codec = self.signed.manifest.train.sync.codec
+        if _fault_alone(fragment, round_):  # tests: cut off from this round's group
+            log.info("fault injected: averaging fragment=%d round=%d alone", fragment, round_)
+            return None
         if follow is not None:  # slower than the swarm: join when the others do (peer.pace)
             t0 = time.monotonic()
             seen = await self.matchmaker.wait_for_others(fragment, round_, numel, follow[0])
