@@ -8,6 +8,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from typing import Any
 
 from peer.globalstate import (
     StateSyncError, apply, check_distance, check_finite, choose_digest, pack_state, repair_vote, snapshot,
@@ -285,93 +286,98 @@ class CatchUpMixin:
                 del self._digests[next(iter(self._digests))]
 
     def _settle_final(self, swarm) -> None:
+        """``_settle_copy``, after serving our final copy; whatever a peer sent us, what we
+        trained is saved after it."""
+        try:
+            self._publish_state(self.worker)
+            self._settle_copy(swarm)
+        except Exception:
+            log.exception("comparing our final copy with the other finishers' failed")
+
+    def _settle_copy(self, swarm) -> None:
         """Finished (a finish, or ``--rounds``): before we go, end on the copy that the peers
-        finishing at our rounds hold. A run that has ended has no later round to mix copies
+        finished at our rounds hold. A run that has ended has no later round to mix copies
         again or to repair: two peers that averaged their last round apart (alone under load,
         or in different groups) would keep different final models. Among us and the peers
-        whose heartbeat says they are finishing at our exact rounds, the copy the most hold
-        wins, a tie going to the smallest key's (``choose_digest``: the same choice on every
-        peer); a node holding another downloads it from its holders (checked as a repair is:
-        finite, near ours). Published states carry the step their rounds imply
-        (``SyncSchedule.step_of``), so one copy has one digest on every peer.
+        whose heartbeat says they finished at our exact rounds (state ``finished``, which ours
+        says from now on), the copy the most hold wins, a tie going to the smallest key's
+        (``choose_digest``: the same choice on every peer); a node holding another downloads it
+        from its holders, once (checked as a repair is: finite, near ours; a donor that serves
+        another copy each time cannot walk us away). Published states carry the step their
+        rounds imply (``SyncSchedule.step_of``), so one copy has one digest on every peer.
 
         We beat so that the others see our final digest, and go when every such peer shows the
-        winner (one whose heartbeat stopped changing two intervals ago is not waited for),
-        nobody is still on the way to our rounds (``_on_way_to``) and nobody is downloading
-        from us; or at most an all-reduce deadline and two heartbeat intervals after we began
-        (longer while a download from us lasts). A failed read of the peers concludes
-        nothing."""
+        winner, nobody is still on the way to our rounds (``_on_way_to``) and nobody is
+        downloading from us; or at most an all-reduce deadline and two heartbeat intervals
+        after we began (longer while a download from us lasts). A failed read of the peers
+        concludes nothing; a peer missing from one read is kept until its heartbeat would have
+        expired."""
+        self.state = "finished"
         self._harvest_published(wait_s=swarm.state_chunk_timeout_s)
         mine = tuple(self.stats.rounds)
         if not self.state_digest or self.state_rounds != mine:
-            return  # our final copy is not served: nothing to compare or to give
+            log.warning("not comparing our final copy with the other finishers': its publish did not finish")
+            return
         began = time.monotonic()
         deadline = began + swarm.allreduce_timeout_s + 2 * swarm.heartbeat_interval_s
         me = self.identity.public_key
-        sent: dict[bytes, tuple[float, float, bool]] = {}  # peer -> (its heartbeat's sent_at, when it
-        # last changed here, whether it changed since we began)
-        failed: dict[bytes, int] = {}  # digest -> downloads of it that failed
+        view: dict[bytes, tuple[Any, float]] = {k: (hb, began) for k, hb in self._peers.items() if k != me}
+        heard: set[bytes] = set()  # peers whose heartbeat changed since we began
+        downloaded, tries = False, 0  # one download at most, in two tries at most
         beat_at, beat_digest = 0.0, b""
         while not self.stop_event.is_set():
             now = time.monotonic()
             if self.state_digest != beat_digest or now - beat_at >= swarm.heartbeat_interval_s:
                 self._beat(swarm)
                 beat_at, beat_digest = now, self.state_digest
-            peers = dict(self._peers)  # a heartbeat missing from one read has not left
             try:
                 read = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=30)
-            except NetworkError as e:
-                log.info("could not read the peers to compare final copies reason=%s", e)
+            except Exception as e:  # a DHT read under load: conclude nothing from it
+                log.info("could not read the peers to compare final copies reason=%r", e)
                 read = None
             for k, hb in (read or {}).items():
-                if k not in peers or hb.sent_at >= peers[k].sent_at:
-                    peers[k] = hb
-            peers.pop(me, None)
-            for k, hb in peers.items():
-                was = sent.get(k)
-                if was is None:
-                    sent[k] = (hb.sent_at, began, False)
-                elif hb.sent_at != was[0]:
-                    sent[k] = (hb.sent_at, now, True)
+                if k == me:
+                    continue
+                if k in view and hb.sent_at != view[k][0].sent_at:
+                    heard.add(k)
+                view[k] = (hb, now)
+            for k in [k for k, (_, seen) in view.items() if now - seen > swarm.heartbeat_ttl_s]:
+                del view[k]  # expired: gone
+            peers = {k: hb for k, (hb, _) in view.items()}
             done = {k: hb.state_digest for k, hb in peers.items()
-                    if hb.state == "finishing" and tuple(hb.rounds) == mine and hb.state_digest
-                    and failed.get(hb.state_digest, 0) < 2}
-            gone = {k for k in peers if now - sent[k][1] >= 2 * swarm.heartbeat_interval_s}
-            on_way = [k for k, hb in peers.items() if k not in done and self._on_way_to(
-                mine, hb, heard=sent[k][2], gone=k in gone)]
+                    if hb.state == "finished" and tuple(hb.rounds) == mine and hb.state_digest}
+            on_way = [k for k, hb in peers.items() if self._on_way_to(mine, hb, heard=k in heard)]
             best, holders = choose_digest({**done, me: self.state_digest}, min_vouchers=1, tie_by_key=True) \
                 or (self.state_digest, [me])
-            if best != self.state_digest:
-                log.warning("our final copy differs from the one %d of %d peers finishing at rounds %s hold; "
+            if best != self.state_digest and not downloaded and tries < 2:
+                log.warning("our final copy differs from the one %d of %d peers finished at rounds %s hold; "
                             "downloading theirs", len(holders), len(done) + 1, list(mine))
-                if self._download(swarm, holders, peers, fast_forward=False, min_donors=1, at_rounds=mine):
-                    continue  # say so at once: the others wait for us to show it
-                failed[best] = failed.get(best, 0) + 1
+                tries += 1
+                downloaded = self._download(swarm, holders, peers, fast_forward=False, min_donors=1,
+                                            at_rounds=mine)
+                if downloaded:
+                    continue  # show it at once: the others wait for us to
             elif (read is not None and not on_way and not self.state_server.serving
-                  and all(d == best for k, d in done.items() if k not in gone)):
-                log.info("final copy agreed with %d finishing peer(s) at rounds %s", len(done), list(mine))
+                  and all(d == best for d in done.values())):
+                log.info("final copy agreed with %d finished peer(s) at rounds %s", len(done), list(mine))
                 return
             # a peer downloading our copy may take as long as a download may
             if time.monotonic() >= deadline + (download_s(swarm) if self.state_server.serving else 0.0):
                 log.warning("stopping without agreeing on the final copy: %d peer(s) still on their way, %d of %d "
-                            "finishing at our rounds hold another", len(on_way),
+                            "finished at our rounds hold another", len(on_way),
                             sum(d != self.state_digest for d in done.values()), len(done))
                 return
             self.stop_event.wait(SETTLE_POLL_S)  # the DHT's next view of their heartbeats
 
     @staticmethod
-    def _on_way_to(mine: tuple[int, ...], hb, *, heard: bool, gone: bool) -> bool:
-        """Whether a peer may still come to our final rounds, so that a node finishing there
-        waits for its copy. Not one paused or leaving, nor one ahead of us, nor one whose
-        heartbeat has not changed for two intervals (``gone``: it stopped, finished before us,
-        or died). One we have not heard from since we began: its heartbeat, up to an interval
-        old, may show rounds long past. One we have heard from if it trains at our rounds or
-        is up to two rounds behind (its rounds are those of its last published state, a
-        landing or two old)."""
+    def _on_way_to(mine: tuple[int, ...], hb, *, heard: bool) -> bool:
+        """Whether a peer may still come to our final rounds, so that a node that finished
+        there waits for its copy. Not one paused, leaving or finished, nor one ahead of us.
+        One we have not heard from since we began: its heartbeat, up to an interval old (or
+        more, while its last round lands), may show rounds long past; a dead one's expires.
+        One we have heard from if it trains at our rounds or is up to two rounds behind (its
+        rounds are those of its last published state, a landing or two old)."""
         behind = sum(mine) - sum(hb.rounds)
-        if hb.state in ("paused", "leaving") or behind < 0 or gone:
+        if hb.state in ("paused", "leaving", "finished") or behind < 0:
             return False
-        if not heard:
-            return True
-        return behind <= 2 * len(mine) and not (behind == 0 and hb.state == "finishing")
-
+        return not heard or behind <= 2 * len(mine)

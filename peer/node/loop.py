@@ -373,7 +373,6 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
         wall = time.perf_counter() - t_start  # the training loop's (what blocked shares are of)
         if not (self._leave_requested or self.stop_event.is_set()) and last_round is not None \
                 and min(self.stats.rounds) >= last_round:
-            self._publish_state(self.worker)
             self._settle_final(swarm)  # the run ends here: end on the copy the other finishers hold
             self.stats.settle_s = time.perf_counter() - t_start - wall
         worker = self.worker
