@@ -78,15 +78,10 @@ def snapshot(worker: Any, rounds: Sequence[int] | None = None, *, copy: bool = T
     return GlobalState(tensors=tensors, rounds=rounds, step=int(worker.step))
 
 
-def apply(worker: Any, state: GlobalState, *, keep_progress: bool = False) -> None:
-    """Load ``state`` into ``worker``: global copies, outer momentum (cleared where the state has
-    none), local weights := global copy, ``step``, and ``rounds`` if the worker keeps them.
-    Everything is checked first; on a mismatch StateSyncError is raised and nothing changed.
-
-    ``keep_progress`` (a repair: the same rounds, another copy): what the worker trained since
-    its last syncs is moved onto the new global copies (local := new global - its pseudo-
-    gradient), and its step and tokens since each sync stay, so its next contributions carry
-    that work at the weight they were announced with."""
+def check_fits(worker: Any, state: GlobalState) -> None:
+    """Raise StateSyncError unless ``state`` has exactly the tensors (names, fp32, sizes) and
+    round counters of ``worker``'s fragments: a state from a peer is checked before anything
+    computes with it."""
     n = len(worker.outer)
     expected = {f"global/{p}": frag.numel for p, frag in enumerate(worker.outer)}
     missing = sorted(k for k in expected if k not in state.tensors)
@@ -102,7 +97,20 @@ def apply(worker: Any, state: GlobalState, *, keep_progress: bool = False) -> No
                                  f"torch.float32 ({numel},); is the run's model config the same?")
     if len(state.rounds) != n:
         raise StateSyncError(f"the fetched state has {len(state.rounds)} round counters for {n} fragments")
+
+
+def apply(worker: Any, state: GlobalState, *, keep_progress: bool = False) -> None:
+    """Load ``state`` into ``worker``: global copies, outer momentum (cleared where the state has
+    none), local weights := global copy, ``step``, and ``rounds`` if the worker keeps them.
+    Everything is checked first; on a mismatch StateSyncError is raised and nothing changed.
+
+    ``keep_progress`` (a repair: the same rounds, another copy): what the worker trained since
+    its last syncs is moved onto the new global copies (local := new global - its pseudo-
+    gradient), and its step and tokens since each sync stay, so its next contributions carry
+    that work at the weight they were announced with."""
+    check_fits(worker, state)
     check_finite(state)
+    n = len(worker.outer)
     # everything checked: now change the worker
     progress = [frag.pseudo_gradient() for frag in worker.outer] if keep_progress else None
     with torch.no_grad():
@@ -327,7 +335,9 @@ def check_distance(worker: Any, state: GlobalState, rounds: Sequence[int]) -> No
     worker has taken of that fragment. Checked for states up to PLAUSIBLE_ROUNDS_AHEAD rounds
     ahead (a repair, a catch-up after a short pause); for a fragment this worker never stepped,
     or a state further ahead, nothing here can judge the distance, and the two or more donors
-    that vouch for it (peer.node.catchup) are what is trusted."""
+    that vouch for it (peer.node.catchup) are what is trusted. Checks first that the state fits
+    the model (``check_fits``)."""
+    check_fits(worker, state)
     for p, frag in enumerate(worker.outer):
         ahead = max(0, int(state.rounds[p]) - int(rounds[p]))
         scale = frag.largest_update_norm

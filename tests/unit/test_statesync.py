@@ -177,6 +177,11 @@ def test_a_state_near_ours_passes_the_distance_check_and_a_far_one_does_not():
     check_distance(w, far_ahead, rounds)  # 50 rounds ahead: only two vouching donors can tell
     fresh = Worker(CFG)  # never stepped: nothing to judge against
     check_distance(fresh, zeros, rounds)
+    # a state that does not fit the model is refused as such, before any arithmetic with it (a
+    # peer's state of another size must not crash the node with a shape error)
+    short = dataclasses.replace(near, tensors={**near.tensors, "global/0": near.tensors["global/0"][:-1]})
+    with pytest.raises(StateSyncError, match="this model needs"):
+        check_distance(w, short, rounds)
 
 
 def test_a_repair_tie_goes_to_the_smallest_keys_state_whatever_the_digests():
