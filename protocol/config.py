@@ -232,6 +232,14 @@ class SyncConfig:
     fragment's start); past that it waits. Peers of one group reach a sync a few steps apart,
     and waiting for the last was most of the time a node was blocked; the cost is the quality
     of a larger overlap (``peer.sync_pipeline.late_allowance``). 0: always land at s + tau."""
+    follow: bool = True
+    """A node slower than the swarm follows its rounds (``peer.pace``): it starts each sync
+    when the others of its group do, with the inner steps it managed, so nobody waits for it.
+    False: lockstep, every node trains all H inner steps of every round and its groups wait for
+    the slowest member (up to the all-reduce deadline), as DiLoCo on a fleet of equal machines
+    does. Two lockstep runs of one setup train the same steps whatever the machines' load, so
+    they compare step for step (the liar tests; on a shared machine following moved the
+    tokens trained, and so the loss, by a few percent from run to run)."""
     codec: str = "fp32"
     """Wire format of pseudo-gradients: fp32, fp16, bf16, int8, fp4."""
     clip: float = 2.0

@@ -36,7 +36,7 @@ _FIELDS = {
     "outer_lr": ("outer", "lr"), "outer_momentum": ("outer", "momentum"), "nesterov": ("outer", "nesterov"),
     "inner_steps": ("sync", "inner_steps"), "fragments": ("sync", "fragments"),
     "overlap": ("sync", "overlap"), "alpha": ("sync", "alpha"), "codec": ("sync", "codec"), "late_share": ("sync", "late_share"),
-    "clip": ("sync", "clip"), "audit": ("sync", "audit"),
+    "follow": ("sync", "follow"), "clip": ("sync", "clip"), "audit": ("sync", "audit"),
     "group_size": ("swarm", "group_size"), "matchmaking_timeout": ("swarm", "matchmaking_timeout_s"),
     "allreduce_timeout": ("swarm", "allreduce_timeout_s"), "state_chunk_timeout": ("swarm", "state_chunk_timeout_s"),
     "heartbeat_interval": ("swarm", "heartbeat_interval_s"), "heartbeat_ttl": ("swarm", "heartbeat_ttl_s"),
@@ -91,6 +91,9 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--late-share", type=float, help="with overlap, a late result may land up to this share of H "
                                                     "after its sync started while the node trains on (default "
                                                     "0.1; 0: always after tau steps)")
+    g.add_argument("--lockstep", dest="follow", action="store_const", const=False,
+                   help="every node trains all H steps of every round and its groups wait for the slowest member "
+                        "(default: a node slower than the swarm follows its rounds with the steps it managed)")
     g.add_argument("--clip", type=float, help="robust mean: a slice is scaled to at most this x the lower median "
                                               "norm (default 2; 0: plain mean)")
     g.add_argument("--audit", type=float, help="chance a member audits each other reducer's mean after a round "

@@ -63,7 +63,7 @@ class SyncMixin:
     def _following(self) -> bool:
         """Slower than the swarm: we join our rounds when the others do and start them when
         their group has formed (``peer.pace``)."""
-        return self._clock.is_slow(self._own_pace())
+        return self.signed.manifest.train.sync.follow and self._clock.is_slow(self._own_pace())
 
     def _keep_pace(self, worker, pipeline, following: bool) -> list[int]:
         """After an inner step: the steps of the schedule it passed. That step and, while we
@@ -102,7 +102,7 @@ class SyncMixin:
         pauses or finishes starts its forming groups early (``_start_forming_now``), and an
         equal peer that took that for being behind would move its counter most of a round on.
         """
-        if self._own_pace() is not None:
+        if self._own_pace() is not None or not self.signed.manifest.train.sync.follow:
             return
         behind = straggle_steps(worker.schedule.inner_steps, self.signed.manifest.train.sync.late_share)
         for f in pipeline.forming():
@@ -260,8 +260,8 @@ class SyncMixin:
             self.stats.allreduce_s.append(outcome.elapsed_s)
             cycles = self.stats.cycle_times
             round_s = self.worker.schedule.inner_steps * (statistics.median(cycles) if cycles else 0.0)
-            if self._clock.kept_waiting(outcome.kept_waiting_s, round_s,
-                                        late_share=self.signed.manifest.train.sync.late_share):
+            sync = self.signed.manifest.train.sync
+            if self._clock.kept_waiting(outcome.kept_waiting_s, round_s, late_share=sync.late_share) and sync.follow:
                 log.info("our group waited %.1f s for our part: slower than the swarm, following its rounds",
                          outcome.kept_waiting_s)
             size = result[1]

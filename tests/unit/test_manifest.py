@@ -179,13 +179,14 @@ def test_run_new_writes_a_signed_manifest_and_prints_its_id(tmp_path, capsys):
     key, out = tmp_path / "id.key", tmp_path / "run.swarmrun"
     code = _cli(["run", "new", "--name", "demo", "--preset", "small", "-H", "100", "-P", "4", "--tau", "2",
                  "--alpha", "0.5", "--codec", "fp4", "--group-size", "4", "--lr", "1e-3", "--outer-lr", "0.5",
-                 "--seed", "7", "--identity", str(key), "--out", str(out), "--created-at", "1700000000"])
+                 "--seed", "7", "--lockstep", "--identity", str(key), "--out", str(out), "--created-at", "1700000000"])
     printed = capsys.readouterr().out
     assert code == 0
     opened = open_manifest(out.read_bytes())
     m = opened.manifest
     sync = m.train.sync
-    assert (sync.inner_steps, sync.fragments, sync.overlap, sync.alpha, sync.codec) == (100, 4, 2, 0.5, "fp4")
+    assert (sync.inner_steps, sync.fragments, sync.overlap, sync.alpha, sync.codec, sync.follow) == (
+        100, 4, 2, 0.5, "fp4", False)
     assert (m.train.inner.lr, m.train.outer.lr, m.train.data.seed, m.swarm.group_size) == (1e-3, 0.5, 7, 4)
     assert m.creator == Identity.from_libp2p(key.read_bytes()).public_key
     assert opened.run_id_text in printed and f"swarmstream host {out}" in printed  # what to do next
