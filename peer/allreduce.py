@@ -30,8 +30,8 @@ even verify is blamed on the stream's remote peer, which libp2p authenticated. A
 is validly signed and that no honest client sends (NaN values, a misshapen slice) is also
 returned as evidence (``AllReduceOutcome.offences``, ``protocol.evidence``); the node bans its
 signer (``peer.bans``), and from then on our reductions leave out its pushes (``banned``)
-while its groups and its own reduced parts are handled like anyone's, so the members land
-one average whether or not they have seen the evidence.
+while its groups, its lateness and its own reduced parts are handled like anyone's, so the
+members land one average whether or not they have seen the evidence, and at the same time.
 
 Deadlines (``D = group.deadline_s``, from the moment ``allreduce`` is called): pushes for our
 slice must be in by ``D``; members missing then are dropped and the reducer averages the rest,
@@ -482,7 +482,7 @@ class Averager:
             await self._wait(rnd, rnd.pushes_done, push_deadline)
             rnd.collecting_pushes = False
             for i in range(rnd.n):
-                if i != me and i not in rnd.dropped and i not in rnd.excluded and rnd.pushed[i] != rnd.size(me):
+                if i != me and i not in rnd.dropped and rnd.pushed[i] != rnd.size(me):
                     rnd.drop(i, "timeout:slice not received in time")
 
             if rnd.size(me):

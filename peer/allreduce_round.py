@@ -97,8 +97,13 @@ class Round:
         the round): their reports are not waited for."""
         self.excluded = excluded - {me}
         """Members banned for a proven lie: we average none of their pushes (a reducer decides
-        its contributors, so the others still land what we land). Their reduced parts are
-        checked like anyone's."""
+        its contributors, so the others still land what we land). Their pushes are counted,
+        and their lateness and reduced parts judged, like anyone's: a member that has not seen
+        the evidence takes a banned reducer's part, and one that has must not wait longer for
+        it than for anyone's (it waited until the means' deadline, 1.5 x the push deadline a
+        late member gets, and the member that banned it first, having dropped it as late, ran
+        seconds ahead of the others: on CI they then timed out on each other for rounds)."""
+        self._ignored: dict[int, list[tuple[int, int]]] = {}  # banned sender -> chunks counted, not kept
         self.n = len(group.members)
         self.bounds = slice_bounds(group.numel, self.n)
         self.peer_ids = [peer_id_from_public_key(k) for k in group.members]
@@ -155,8 +160,7 @@ class Round:
     # --- what the waiters ask -------------------------------------------------------------
 
     def pushes_done(self) -> bool:
-        return all(i == self.me or i in self.dropped or i in self.excluded or self.pushed[i] == self.size(self.me)
-                   for i in range(self.n))
+        return all(i == self.me or i in self.dropped or self.pushed[i] == self.size(self.me) for i in range(self.n))
 
     def means_done(self) -> bool:
         return all(j == self.me or j in self.dropped or self.got[j] == self.size(j) for j in range(self.n))
@@ -358,7 +362,7 @@ class Round:
         i = self.index.get(peer_id)
         if i is None or i == self.me or i in self.dropped:
             return
-        if kind is PushSlice and self.collecting_pushes and i not in self.excluded and self.pushed[i] != self.size(self.me):
+        if kind is PushSlice and self.collecting_pushes and self.pushed[i] != self.size(self.me):
             self.drop(i, f"short:its stream ended after {self.pushed[i]} of the slice's {self.size(self.me)} elements")
         elif kind is SliceAveraged and self.collecting_means and not self.holds(i) and self.size(i):
             self.drop(i, f"short:its stream ended after {self.got[i]} of its part's {self.size(i)} elements")
@@ -488,11 +492,15 @@ class Round:
         if not self.collecting_pushes:
             log.info("late slice ignored peer=%s group=%s", self.peer_ids[i], self.group.group_id.hex())
             return
-        if i in self.excluded:
-            return  # banned: we average none of its pushes
         self._check_slice(msg, self.me, self.pushed[i])
         if msg.weight != self.group.weights[i]:
             raise RemoteProtocolError(f"weight {msg.weight} is not the group's {self.group.weights[i]}")
+        if i in self.excluded:  # banned: we average none of its pushes, but it came, on time or not
+            spans = self._ignored.setdefault(i, [])
+            _check_disjoint(spans, msg.offset, msg.numel)
+            spans.append((msg.offset, msg.numel))
+            self.pushed[i] += msg.numel
+            return
         chunks = self.pushes.setdefault(i, [])
         _check_disjoint([(off, cnt) for off, cnt, _ in chunks], msg.offset, msg.numel)
         self.codec.decode(msg.payload, msg.numel)  # layout, scales and finiteness; raises
@@ -558,6 +566,7 @@ class Round:
         and an audit of our part (its inputs)."""
         self.repairs.clear()
         self.pushes.clear()
+        self._ignored.clear()
         if not self.own_chunks:
             self.push_frames.clear()
         self.vector = self.vector[:0]
