@@ -491,7 +491,9 @@ class Averager:
                 encoded = self._encode(rnd, me, mean)
                 frames = self._frames(rnd, me, encoded, total, contrib, inputs)
                 rnd.reduced(contrib, encoded, frames)
-                for i in sorted(set(contrib) | rnd.excluded):  # a banned member is alive: it needs our part too
+                # a banned member on time is alive: it needs our part too (one dropped as late
+                # gets it as any late member does, forwarded on its report)
+                for i in sorted(set(contrib) | (rnd.excluded - rnd.dropped.keys())):
                     if i != me:
                         tasks.append(asyncio.create_task(self._deliver(rnd, i, frames, end_deadline, sent, False)))
 

@@ -230,8 +230,10 @@ class Round:
     def settled(self) -> bool:
         """What ``AllReduceOutcome.agreed`` says: the agreement completed, and every member we
         dropped as late reported too (one whose slices all came late took part in no one's
-        round, but it may still have landed parts: without its report we cannot tell)."""
-        late = [i for i, why in self.dropped.items() if why.startswith(LATE)]
+        round, but it may still have landed parts: without its report we cannot tell), unless
+        it is banned: a banned member's report is never waited for (``took_part``), and one that
+        pushed nothing and reported nothing would have made every round it was in unagreed."""
+        late = [i for i, why in self.dropped.items() if why.startswith(LATE) and self.peer_ids[i] not in self.banned]
         return (self.agreed() and all(i in self.reports for i in late)
                 and all(self.visible(j) for j in self.convicted))
 

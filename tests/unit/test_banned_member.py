@@ -12,7 +12,7 @@ from peer.allreduce_round import Round
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 from protocol.identity import Identity
-from protocol.messages_swarm import PushSlice
+from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
 RUN = b"\x07" * 20
 GID = b"b" * 16
@@ -62,3 +62,29 @@ def test_a_banned_member_cannot_send_one_element_twice():
     push(rnd, BANNED, 1.0, numel=5)
     push(rnd, BANNED, 2.0, numel=5)  # offset 0 again: overlaps the chunk already counted
     assert rnd.dropped[BANNED].startswith("PushSlice:") and rnd.pushed[BANNED] == 5
+
+
+def test_a_banned_member_dropped_as_late_is_not_waited_for_to_call_the_round_agreed():
+    """Member 1 and we hold parts 0 and 1; the banned member pushed nothing and never reports.
+    Dropped as late, it is not what keeps the round from being agreed (an unagreed round makes
+    the node compare states and start a new lineage)."""
+    rnd = member()
+    rnd.collecting_pushes = False
+    rnd.drop(BANNED, "timeout:slice not received in time")
+    for j in (0, 1):
+        values = torch.full((10,), 1.0 + j)
+        payload = get_codec("fp32").encode(values)
+        frame = seal(SliceAveraged(run_id=RUN, fragment=0, round=1, group_id=GID, part=j, offset=10 * j, numel=10,
+                                   shape=(10,), dtype="float32", codec="fp32", weight=2.0, contributors=(0, 1),
+                                   inputs=b"i" * 32, payload=payload), KEYS[j])
+        if j == 0:
+            rnd.reduced((0, 1), [(0, 10, payload)], [[frame]])
+        else:
+            v = verify(frame)
+            rnd.accept(v.peer_id, v, len(frame), frame)
+    report = seal(PartsHeld(run_id=RUN, fragment=0, round=1, group_id=GID, digests=rnd.digests()), KEYS[1])
+    v = verify(report)
+    rnd.accept(v.peer_id, v, len(report), report)
+    assert rnd.agreed() and rnd.settled()
+    rnd.banned = frozenset()  # the same member, not banned: its report would be wanted
+    assert not rnd.settled()
