@@ -191,7 +191,8 @@ def test_run_new_writes_a_signed_manifest_and_prints_its_id(tmp_path, capsys):
     assert m.creator == Identity.from_libp2p(key.read_bytes()).public_key
     assert opened.run_id_text in printed and f"swarmstream host {out}" in printed  # what to do next
     assert _cli(["run", "show", str(out), "--run-id", opened.run_id_text]) == 0
-    assert "demo" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "demo" in shown and "lockstep" in shown
 
 
 @pytest.mark.parametrize("flags, reason", [
