@@ -50,6 +50,7 @@ async def until(pilot, cond, what: str, timeout: float = 120.0, log=None):
         await pilot.pause(0.1)  # lets the app's workers poll the node; the deadline bounds the wait
 
 
+@pytest.mark.timeout(900)  # its own bounded waits allow more than 300 s; beside two busy loops it took 236 s
 def test_join_from_the_runs_screen_then_pause_resume_settings_and_finish(demos, short_tmp, background_nodes,
                                                                         monkeypatch):
     # (short_tmp before background_nodes: fixtures end in reverse, and the node to end is found
