@@ -24,10 +24,10 @@ def test_join_by_run_id_finds_the_verified_manifest_peers_and_run_despite_a_forg
     signed = sign_manifest(manifest, creator)
     run_id = open_manifest(signed).run_id
 
-    kind, maddrs, creator_pub = start(procs, swarm_peers.creator, str(creator_key), signed, run_id).get(timeout=60)
+    kind, maddrs, creator_pub = start(procs, swarm_peers.creator, str(creator_key), signed, run_id).get(timeout=180)
     assert kind == "ready" and maddrs
     kind, forger_id = start(procs, swarm_peers.forger, str(tmp_path / "forger.key"), maddrs, run_id,
-                            creator_pub).get(timeout=60)
+                            creator_pub).get(timeout=180)
     assert kind == "done"
 
     me_key = tmp_path / "me.key"

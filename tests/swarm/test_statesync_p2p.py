@@ -44,7 +44,7 @@ def donors(tmp_path_factory):
             proc.start()
             started.append(Donor(proc, out_q, cmd_q))
         for d in started:
-            kind, d.peer_id, d.maddrs, d.digest = d.out_q.get(timeout=60)
+            kind, d.peer_id, d.maddrs, d.digest = d.out_q.get(timeout=180)
             assert kind == "ready"
         yield started
     finally:
