@@ -103,7 +103,6 @@ class Round:
         it than for anyone's (it waited until the means' deadline, 1.5 x the push deadline a
         late member gets, and the member that banned it first, having dropped it as late, ran
         seconds ahead of the others: on CI they then timed out on each other for rounds)."""
-        self._ignored: dict[int, list[tuple[int, int]]] = {}  # banned sender -> chunks counted, not kept
         self.n = len(group.members)
         self.bounds = slice_bounds(group.numel, self.n)
         self.peer_ids = [peer_id_from_public_key(k) for k in group.members]
@@ -497,14 +496,12 @@ class Round:
         self._check_slice(msg, self.me, self.pushed[i])
         if msg.weight != self.group.weights[i]:
             raise RemoteProtocolError(f"weight {msg.weight} is not the group's {self.group.weights[i]}")
-        if i in self.excluded:  # banned: we average none of its pushes, but it came, on time or not
-            spans = self._ignored.setdefault(i, [])
-            _check_disjoint(spans, msg.offset, msg.numel)
-            spans.append((msg.offset, msg.numel))
-            self.pushed[i] += msg.numel
-            return
         chunks = self.pushes.setdefault(i, [])
         _check_disjoint([(off, cnt) for off, cnt, _ in chunks], msg.offset, msg.numel)
+        if i in self.excluded:  # banned: counted (it came, on time or not), never averaged nor kept
+            chunks.append((msg.offset, msg.numel, None))
+            self.pushed[i] += msg.numel
+            return
         self.codec.decode(msg.payload, msg.numel)  # layout, scales and finiteness; raises
         chunks.append((msg.offset, msg.numel, msg.payload))
         self.push_frames.setdefault(i, []).append((msg.offset, msg.numel, bytes(payload_digest), bytes(data)))
@@ -568,7 +565,6 @@ class Round:
         and an audit of our part (its inputs)."""
         self.repairs.clear()
         self.pushes.clear()
-        self._ignored.clear()
         if not self.own_chunks:
             self.push_frames.clear()
         self.vector = self.vector[:0]

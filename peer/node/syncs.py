@@ -261,7 +261,7 @@ class SyncMixin:
             cycles = self.stats.cycle_times
             round_s = self.worker.schedule.inner_steps * (statistics.median(cycles) if cycles else 0.0)
             sync = self.signed.manifest.train.sync
-            if self._clock.kept_waiting(outcome.kept_waiting_s, round_s, late_share=sync.late_share) and sync.follow:
+            if sync.follow and self._clock.kept_waiting(outcome.kept_waiting_s, round_s, late_share=sync.late_share):
                 log.info("our group waited %.1f s for our part: slower than the swarm, following its rounds",
                          outcome.kept_waiting_s)
             size = result[1]
