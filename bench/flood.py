@@ -101,7 +101,7 @@ def attacker(key: str, maddrs: list[str], victim_id: str, streams: int, frames: 
         def sealed(k: int) -> list:
             msg = PushSlice(run_id=RUN_ID, fragment=0, round=1, group_id=k.to_bytes(16, "big"), part=0, offset=0,
                             numel=numel, shape=(numel,), dtype="float32", codec="fp32", weight=1.0,
-                            payload=payload)
+                            stopping=False, payload=payload)
             return seal_parts(msg, ident)
 
         async def flood() -> tuple[int, int]:

@@ -96,7 +96,7 @@ def main() -> int:
     numel, size = 32 * blocks, 18 * blocks
     payload = os.urandom(size)
     msg = PushSlice(run_id=b"r" * 20, fragment=3, round=42, group_id=b"g" * 16, part=1, offset=0, numel=numel,
-                    shape=(numel,), dtype="float32", codec="fp4", weight=65536.0, payload=payload)
+                    shape=(numel,), dtype="float32", codec="fp4", weight=65536.0, stopping=False, payload=payload)
     encoded = encode(msg)
     sealed = seal(msg, identity)
     big = [

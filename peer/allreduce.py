@@ -115,7 +115,8 @@ __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_ele
 
 log = logging.getLogger(__name__)
 
-HANDLER_PREFIX = "swarmstream-avg-v5-"  # v2: acknowledged frames (peer.outbox); v3: norms; v4: audits; v5: finals
+HANDLER_PREFIX = "swarmstream-avg-v6-"  # v2: acknowledged frames (peer.outbox); v3: norms; v4: audits; v5: finals;
+# v6: PushSlice.stopping
 CHUNK_ALIGN = 256  # elements: a multiple of every codec's block (int8: 256, fp4: 32)
 _HEAD_ROOM = 4096  # bytes of a frame that are not payload: envelope and message heads
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
@@ -343,7 +344,8 @@ class Averager:
         elif gid in self._finished:
             log.debug("frame for a finished group dropped peer=%s group=%s", peer_id, gid.hex())
             return None
-        elif not self._pending.add(gid, peer_id, v, nbytes, data):
+        elif not self._pending.add(gid, peer_id, v, nbytes, data,
+                                   waits=isinstance(v.message, PushSlice) and not v.message.stopping):
             return None  # dropped at a limit of ours: its stream's end says nothing about the sender
         return None if isinstance(v.message, PartsHeld) else (gid, type(v.message))
 
@@ -436,17 +438,19 @@ class Averager:
                 "run_id": g.run_id, "fragment": g.fragment, "round": g.round, "group_id": g.group_id, "part": part,
                 "offset": a, "numel": b - a, "shape": (b - a,), "dtype": "float32", "codec": g.codec,
                 "weight": weight, "payload": payload}
-            msg = (PushSlice(**common) if contributors is None
+            msg = (PushSlice(stopping=rnd.stopping, **common) if contributors is None
                    else SliceAveraged(contributors=contributors, inputs=inputs, **common))
             frames.append(seal_parts(msg, self.identity))
         return frames
 
     # --- the all-reduce -----------------------------------------------------------------
 
-    async def allreduce(self, group: Group, vector: torch.Tensor, weight: float) -> AllReduceOutcome:
+    async def allreduce(self, group: Group, vector: torch.Tensor, weight: float, *,
+                        stopping: bool = False) -> AllReduceOutcome:
         """Average ``vector`` (numel,) with the group's other members; see the module docstring.
         Never waits more than ``2.5 * group.deadline_s`` (plus the local encode/decode), and
-        that long only when a member that took part never reports."""
+        that long only when a member that took part never reports. ``stopping``: we pause or
+        finish, so we started before our landing step (``PushSlice.stopping``)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         started = time.perf_counter()
@@ -459,6 +463,7 @@ class Averager:
             raise LocalProtocolError(f"group {gid.hex()} is already averaging")
         excluded = frozenset(i for i, key in enumerate(group.members) if peer_id_from_public_key(key) in self.banned)
         rnd = Round(group, me, vec, get_codec(group.codec), self.clip, excluded, self.banned)
+        rnd.stopping = stopping
         self._active[gid] = rnd
         kept_waiting = self._pending.waited(gid, [p for i, p in enumerate(rnd.peer_ids) if i != me])
         for peer_id, item, nbytes, data in self._pending.pop(gid):  # in arrival order

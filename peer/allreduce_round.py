@@ -145,6 +145,7 @@ class Round:
         self.collecting_pushes = True
         self.collecting_means = True
         self.agreeing = False
+        self.stopping = False  # we pause or finish: our pushes say we started early (PushSlice.stopping)
         self.early = False  # we had heard from no other member as our agreement began (took_part)
         self.bytes_received = 0
         self.sent = [0]  # bytes, added to by every send of this round

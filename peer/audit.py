@@ -268,6 +268,6 @@ def inputs_frames(rnd: Round, identity: Identity) -> list[list[Any]]:
     for offset, numel, payload in rnd.own_chunks:
         own = PushSlice(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id, part=rnd.me,
                         offset=offset, numel=numel, shape=(numel,), dtype="float32", codec=OWN_CODEC,
-                        weight=g.weights[rnd.me], payload=payload)
+                        weight=g.weights[rnd.me], stopping=rnd.stopping, payload=payload)
         frames.append(seal_parts(own, identity))
     return frames

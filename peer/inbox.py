@@ -160,7 +160,7 @@ class _Group:
     by_peer: dict[str, int] = field(default_factory=dict)  # bytes charged per peer
     notes: set[tuple[str, Any]] = field(default_factory=set)  # (peer, blame or marker): each once
     truncated: set[str] = field(default_factory=set)  # peers whose frames we dropped at a limit
-    first: dict[str, float] = field(default_factory=dict)  # peer -> when its first frame came (monotonic)
+    first: dict[str, float] = field(default_factory=dict)  # peer -> when its first waiting push came (monotonic)
 
 
 class PendingFrames:
@@ -194,9 +194,13 @@ class PendingFrames:
     def __contains__(self, gid: bytes) -> bool:
         return gid in self._groups
 
-    def add(self, gid: bytes, peer_id: str, item: Any, nbytes: int = 0, data: bytes = b"") -> bool:
+    def add(self, gid: bytes, peer_id: str, item: Any, nbytes: int = 0, data: bytes = b"", *,
+            waits: bool = False) -> bool:
         """Buffer ``item`` (a verified frame of ``nbytes``, or a blame string) from ``peer_id``
-        for group ``gid``. -> False when it was dropped (logged) at a limit."""
+        for group ``gid``. -> False when it was dropped (logged) at a limit. ``waits``: the
+        frame is a push of a member that started the round at its step and now waits for us
+        (what ``waited`` and ``started`` count; a blame, a note or a push sent early by a
+        member that pauses or finishes does not)."""
         self._expire()
         g = self._groups.get(gid)
         if isinstance(item, str) and g is not None and (peer_id, item) in g.notes:
@@ -223,6 +227,8 @@ class PendingFrames:
                 self._evict(next(iter(self._groups)), "too_many_groups")
             g = self._groups[gid] = _Group(created=time.monotonic())
         self._append(g, peer_id, item, nbytes, charge, data)
+        if waits:
+            g.first.setdefault(peer_id, time.monotonic())
         if isinstance(item, str):
             g.notes.add((peer_id, item))
         return True
@@ -257,7 +263,6 @@ class PendingFrames:
         return g is not None and sum(p in g.first for p in peer_ids) >= -(-len(peer_ids) // 2)
 
     def _append(self, g: _Group, peer_id: str, item: Any, nbytes: int, charge: int, data: bytes) -> None:
-        g.first.setdefault(peer_id, time.monotonic())
         g.items.append((peer_id, item, nbytes, data))
         g.nbytes += charge
         g.by_peer[peer_id] = g.by_peer.get(peer_id, 0) + charge

@@ -37,7 +37,9 @@ Being waited for is the other sign (``SwarmClock.kept_waiting``): a group that f
 slow member waits for its part every round (the push deadline is long), so the others' pace,
 waits included, drops to the slow one's and the test above never finds it slow: the whole
 swarm would run at its pace. A node whose group's other members (half of them, so one liar of
-three cannot decide it) had sent their frames a fifth of a round before it started is slow,
+three cannot decide it) had sent their frames a fifth of a round before it started is slow
+(frames marked ``PushSlice.stopping`` do not count: a member that pauses or finishes starts its
+rounds before its step, which says nothing about our pace),
 and held so for ``HOLD_FOR`` intervals while the others, no longer waiting, show their own pace
 again. One such sync is enough: each one the slow peer waits out holds every fast member of
 its group for that long, and the first sync of a run comes before 20 steps are timed, so the
@@ -49,8 +51,8 @@ follows for ``HOLD_FOR`` intervals, training a few steps fewer, and is fast agai
 Nor need it wait to be waited for at a run's first sync, before its pace is known: a node
 still more than ``straggle_steps`` short of a round's start when half its group's other
 members have started it is the straggler at once (``SwarmClock.straggling``), and follows
-before they wait for it. (Only while its pace is unknown: a member that pauses starts its
-forming groups early, which is no sign that we are behind.)
+before they wait for it. (Only while its pace is unknown: after that the pace test, over many
+steps, decides, which one moment's lag on shared cores cannot fool.)
 
 One peer lying about its pace does not move a median; a liar in a swarm of two (or a colluding
 majority) can make a node a follower, which then trains fewer steps per round but still

@@ -136,6 +136,11 @@ class StateServer:
                      len(index.chunk_digests), index.step)
         return d
 
+    @property
+    def serving(self) -> bool:
+        """Whether a peer is downloading from us now (a session is open)."""
+        return self._active > 0
+
     async def shutdown(self) -> None:
         self._closing = True
         try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from protocol.errors import LocalProtocolError
 
@@ -85,6 +85,13 @@ class SyncSchedule:
         if r < 0 or rem:
             raise LocalProtocolError(f"fragment {fragment} does not sync after step {step}")
         return r
+
+    def step_of(self, rounds: Sequence[int]) -> int:
+        """Where a global state that has done ``rounds`` (per fragment) stands: the step right
+        before the first sync it has not done. The same on every peer that holds it, whatever
+        step each landed it at (a late landing, a follower), so that they serve and vouch for one
+        state digest; a joiner starts there."""
+        return max(0, min(self.offset(p) + r * self.inner_steps for p, r in enumerate(rounds)) - 1)
 
     def next_start(self, fragment: int, step: int) -> int:
         """The first step >= ``step`` after which ``fragment`` starts a sync."""

@@ -33,8 +33,9 @@ from protocol.messages import (
     RunId, Seconds, Seq, Str, Tag, UnixTime, Weight, message,
 )
 
-PEER_STATES = ("joining", "syncing", "training", "averaging", "paused", "finishing", "leaving")
-"""What a peer is doing, as shown in heartbeats and on the dashboard."""
+PEER_STATES = ("joining", "syncing", "training", "averaging", "paused", "finishing", "finished", "leaving")
+"""What a peer is doing, as shown in heartbeats and on the dashboard. ``finished``: done training, it
+compares its final copy with the other finishers' before it goes (and its last heartbeat says so)."""
 DTYPES = ("float32", "float16", "bfloat16")
 """Element types a decoded slice is applied to."""
 REJECT_CODES = ("unknown_run", "wrong_round", "too_late", "group_full", "busy", "not_found",
@@ -197,6 +198,10 @@ class PushSlice(_Slice):
     """A member's encoded slice ``part``, sent to the member that reduces it. A slice larger
     than ``MAX_FRAME_BYTES`` is sent as several PushSlices with consecutive offsets."""
 
+    stopping: Annotated[bool, Bool()]
+    """The sender pauses or finishes: it started this round before its landing step, not
+    because it reached it. The receiver does not count such frames as having waited for it
+    (``peer.pace``: a node that keeps its group waiting is slow and follows)."""
     payload: Bulk
     """``protocol.codecs`` output for ``numel`` elements, as opaque bytes."""
 

@@ -5,8 +5,10 @@ copy (averaged alone or cut off), and serves its own state to others."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
+from typing import Any
 
 from peer.globalstate import (
     StateSyncError, apply, check_distance, check_finite, choose_digest, pack_state, repair_vote, snapshot,
@@ -22,6 +24,14 @@ log = logging.getLogger("peer.node")  # one logger name for the whole node, also
 
 REPAIR_TRIES = 5  # checks at which a repair looks for donors at our rounds before it takes their next landing
 ASKED_AT_JOIN = 8  # peers asked for the state they serve when heartbeats show nobody ahead of us
+SETTLE_POLL_S = 0.5  # between reads of the finishing peers' heartbeats (_settle_final)
+
+
+def download_s(swarm) -> float:
+    """The longest a state download may take."""
+    return swarm.state_chunk_timeout_s * 8 + 60
+
+
 DIGEST_HISTORY = 16  # of our latest landings whose digests a repair compares peers' heartbeats with
 
 
@@ -193,7 +203,7 @@ class CatchUpMixin:
 
             state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, serving, digest,
                                               chunk_timeout_s=swarm.state_chunk_timeout_s, progress=progress),
-                                  timeout=swarm.state_chunk_timeout_s * 8 + 60)
+                                  timeout=download_s(swarm))
             check_finite(state)  # here, before anything changes; apply() checks it again
             check_distance(worker, state, self.stats.rounds)
         except (StateSyncError, NetworkError) as e:
@@ -227,9 +237,7 @@ class CatchUpMixin:
         if fast_forward:
             # the donors just landed this state and train toward the next sync its rounds imply:
             # start right before it, so our next step meets them in that round's matchmaking
-            sched = worker.schedule
-            next_sync = min(sched.offset(p) + r * sched.inner_steps for p, r in enumerate(state.rounds))
-            worker.step = max(state.step, next_sync - 1)
+            worker.step = max(state.step, worker.schedule.step_of(state.rounds))
             self._sync_started_at = [worker.step] * len(worker.outer)
         self.state = previous if previous != "joining" else "training"
         self.on_event({"event": "state_synced", "rounds": list(state.rounds), "step": worker.step,
@@ -243,8 +251,10 @@ class CatchUpMixin:
         full round's."""
         self._harvest_published()
         # the worker's own tensors, shared (its fragments copy on write): no copy of the state;
-        # the chunks that changed are hashed off the event loop
-        packed = pack_state(snapshot(worker, self.stats.rounds, copy=False))
+        # the chunks that changed are hashed off the event loop. Its step is the one its rounds
+        # imply, not ours: peers that landed the same rounds a step apart vouch for one digest
+        state = snapshot(worker, self.stats.rounds, copy=False)
+        packed = pack_state(dataclasses.replace(state, step=worker.schedule.step_of(state.rounds)))
         self._publishing.append((tuple(self.stats.rounds), self._lineage,
                                  self.net.submit(self.state_server.publish_packed(packed))))
 
@@ -274,3 +284,100 @@ class CatchUpMixin:
             self._digests[rounds] = digest
             while len(self._digests) > DIGEST_HISTORY:
                 del self._digests[next(iter(self._digests))]
+
+    def _settle_final(self, swarm) -> None:
+        """``_settle_copy``, after serving our final copy; whatever a peer sent us, what we
+        trained is saved after it."""
+        try:
+            self._publish_state(self.worker)
+            self._settle_copy(swarm)
+        except Exception:
+            log.exception("comparing our final copy with the other finishers' failed")
+
+    def _settle_copy(self, swarm) -> None:
+        """Finished (a finish, or ``--rounds``): before we go, end on the copy that the peers
+        finished at our rounds hold. A run that has ended has no later round to mix copies
+        again or to repair: two peers that averaged their last round apart (alone under load,
+        or in different groups) would keep different final models. Among us and the peers
+        whose heartbeat says they finished at our exact rounds (state ``finished``, which ours
+        says from now on), the copy the most hold wins, a tie going to the smallest key's
+        (``choose_digest``: the same choice on every peer); a node holding another downloads it
+        from its holders, once (checked as a repair is: finite, near ours; a donor that serves
+        another copy each time cannot walk us away). Published states carry the step their
+        rounds imply (``SyncSchedule.step_of``), so one copy has one digest on every peer.
+
+        We beat so that the others see our final digest, and go when every such peer shows the
+        winner, nobody is still on the way to our rounds (``_on_way_to``) and nobody is
+        downloading from us; or at most an all-reduce deadline and two heartbeat intervals
+        after we began (longer while a download from us lasts). A failed read of the peers
+        concludes nothing; a peer missing from one read is kept until its heartbeat would have
+        expired."""
+        self.state = "finished"
+        self._harvest_published(wait_s=swarm.state_chunk_timeout_s)
+        mine = tuple(self.stats.rounds)
+        if not self.state_digest or self.state_rounds != mine:
+            log.warning("not comparing our final copy with the other finishers': its publish did not finish")
+            return
+        began = time.monotonic()
+        deadline = began + swarm.allreduce_timeout_s + 2 * swarm.heartbeat_interval_s
+        me = self.identity.public_key
+        view: dict[bytes, tuple[Any, float]] = {k: (hb, began) for k, hb in self._peers.items() if k != me}
+        heard: set[bytes] = set()  # peers whose heartbeat changed since we began
+        downloaded, tries = False, 0  # one download at most, in two tries at most
+        beat_at, beat_digest = 0.0, b""
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            if self.state_digest != beat_digest or now - beat_at >= swarm.heartbeat_interval_s:
+                self._beat(swarm)
+                beat_at, beat_digest = now, self.state_digest
+            try:
+                read = self.net.call(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s), timeout=30)
+            except Exception as e:  # a DHT read under load: conclude nothing from it
+                log.info("could not read the peers to compare final copies reason=%r", e)
+                read = None
+            for k, hb in (read or {}).items():
+                if k == me:
+                    continue
+                if k in view and hb.sent_at != view[k][0].sent_at:
+                    heard.add(k)
+                view[k] = (hb, now)
+            for k in [k for k, (_, seen) in view.items() if now - seen > swarm.heartbeat_ttl_s]:
+                del view[k]  # expired: gone
+            peers = {k: hb for k, (hb, _) in view.items()}
+            done = {k: hb.state_digest for k, hb in peers.items()
+                    if hb.state == "finished" and tuple(hb.rounds) == mine and hb.state_digest}
+            on_way = [k for k, hb in peers.items() if self._on_way_to(mine, hb, heard=k in heard)]
+            best, holders = choose_digest({**done, me: self.state_digest}, min_vouchers=1, tie_by_key=True) \
+                or (self.state_digest, [me])
+            if best != self.state_digest and not downloaded and tries < 2:
+                log.warning("our final copy differs from the one %d of %d peers finished at rounds %s hold; "
+                            "downloading theirs", len(holders), len(done) + 1, list(mine))
+                tries += 1
+                downloaded = self._download(swarm, holders, peers, fast_forward=False, min_donors=1,
+                                            at_rounds=mine)
+                if downloaded:
+                    continue  # show it at once: the others wait for us to
+            elif (read is not None and not on_way and not self.state_server.serving
+                  and all(d == best for d in done.values())):
+                log.info("final copy agreed with %d finished peer(s) at rounds %s", len(done), list(mine))
+                return
+            # a peer downloading our copy may take as long as a download may
+            if time.monotonic() >= deadline + (download_s(swarm) if self.state_server.serving else 0.0):
+                log.warning("stopping without agreeing on the final copy: %d peer(s) still on their way, %d of %d "
+                            "finished at our rounds hold another", len(on_way),
+                            sum(d != self.state_digest for d in done.values()), len(done))
+                return
+            self.stop_event.wait(SETTLE_POLL_S)  # the DHT's next view of their heartbeats
+
+    @staticmethod
+    def _on_way_to(mine: tuple[int, ...], hb, *, heard: bool) -> bool:
+        """Whether a peer may still come to our final rounds, so that a node that finished
+        there waits for its copy. Not one paused, leaving or finished, nor one ahead of us.
+        One we have not heard from since we began: its heartbeat, up to an interval old (or
+        more, while its last round lands), may show rounds long past; a dead one's expires.
+        One we have heard from if it trains at our rounds or is up to two rounds behind (its
+        rounds are those of its last published state, a landing or two old)."""
+        behind = sum(mine) - sum(hb.rounds)
+        if hb.state in ("paused", "leaving", "finished") or behind < 0:
+            return False
+        return not heard or behind <= 2 * len(mine)

@@ -19,16 +19,25 @@ log = logging.getLogger("peer.node")  # one logger name for the whole node, also
 
 # Fault injection for the swarm tests, e.g. "die-after-group:0:1": SIGKILL ourselves right after
 # joining our first group of fragment 0 at round 1 or later (a loaded machine may average a round
-# alone), so the others see a member vanish mid all-reduce.
+# alone), so the others see a member vanish mid all-reduce. "alone:1:3": join no group for
+# fragment 1's round 3 (average it alone, as a member cut off under load does).
 _FAULT = os.environ.get("SWARMSTREAM_FAULT", "")
 
 
-def _fault_due(fragment: int, round_: int) -> bool:
-    kind, _, where = _FAULT.partition(":")
-    if kind != "die-after-group":
+def _fault_at(kind: str, fragment: int, round_: int, *, exact: bool = False) -> bool:
+    k, _, where = _FAULT.partition(":")
+    if k != kind:
         return False
     f, _, r = where.partition(":")
-    return fragment == int(f) and round_ >= int(r)
+    return fragment == int(f) and (round_ == int(r) if exact else round_ >= int(r))
+
+
+def _fault_due(fragment: int, round_: int) -> bool:
+    return _fault_at("die-after-group", fragment, round_)
+
+
+def _fault_alone(fragment: int, round_: int) -> bool:
+    return _fault_at("alone", fragment, round_, exact=True)
 
 
 CONFIRM_REASON = "waiting for you to confirm in the dashboard (or `swarmstream resume`)"
@@ -93,6 +102,7 @@ class NodeStats:
     inner_steps: int = 0
     allreduce_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     """Latency of the latest all-reduces (bounded: a node runs for weeks)."""
+    settle_s: float = 0.0  # after the last round, comparing final copies with the other finishers
     steps_skipped: int = 0  # steps our counter moved on without training, to keep up with the swarm (peer.pace)
     late_steps: deque[int] = field(default_factory=lambda: deque(maxlen=1000))
     """Steps past its landing step (s + tau) at which each sync landed: its result came late and

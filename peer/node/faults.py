@@ -58,12 +58,12 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
     """Wrap ``averager``'s methods so that it tells ``lies`` (it signs them all validly)."""
     allreduce, encode, deliver = averager.allreduce, averager._encode, averager._deliver
 
-    async def lying_allreduce(group, vector: torch.Tensor, weight: float):
+    async def lying_allreduce(group, vector: torch.Tensor, weight: float, **kw: Any):
         if "push1000" in lies:
             vector = vector * 1000.0
         if "push1e30" in lies:
             vector = torch.full_like(vector, 1e30)
-        return await allreduce(group, vector, weight)
+        return await allreduce(group, vector, weight, **kw)
 
     def lying_encode(rnd, part: int, values: torch.Tensor):
         if part == rnd.me and "mean1000" in lies:

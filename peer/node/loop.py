@@ -370,10 +370,14 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
         self._start_forming_now(pipeline)  # stopped mid-round: a group formed with us counts on our part
         for sync in pipeline.finish():  # contribute what was started; never drop it silently
             self._land(sync, swarm)
+        wall = time.perf_counter() - t_start  # the training loop's (what blocked shares are of)
+        if not (self._leave_requested or self.stop_event.is_set()) and last_round is not None \
+                and min(self.stats.rounds) >= last_round:
+            self._settle_final(swarm)  # the run ends here: end on the copy the other finishers hold
+            self.stats.settle_s = time.perf_counter() - t_start - wall
         worker = self.worker
         self._save()
         self.ledger.save()
-        wall = time.perf_counter() - t_start
         return self._summary(worker, wall, self._evaluate(worker))
 
     def stop(self) -> None:

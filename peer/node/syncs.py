@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from peer.node.config import (
+    _fault_alone,
     _fault_due,
 )
 from peer.pace import straggle_steps
@@ -98,9 +99,9 @@ class SyncMixin:
         (``peer.pace``), so ``_keep_pace`` moves us on to the start and hands over what we
         trained. Waiting to be told by ``kept_waiting`` after the sync held every fast member of
         the group for as long as we took to get there (about 2 s at the first sync of a peer
-        half as fast, H = 40). Later the pace test and ``kept_waiting`` decide: a member that
-        pauses or finishes starts its forming groups early (``_start_forming_now``), and an
-        equal peer that took that for being behind would move its counter most of a round on.
+        half as fast, H = 40). Later the pace test and ``kept_waiting`` decide, from many steps
+        rather than one moment. Pushes that a member pausing or finishing sent before its step
+        (``PushSlice.stopping``) do not count as started here or in ``kept_waiting``.
         """
         if self._own_pace() is not None or not self.signed.manifest.train.sync.follow:
             return
@@ -138,30 +139,36 @@ class SyncMixin:
         return self.net.submit(self._form_group(fragment, round_, float(weight), numel, follow)), float(weight)
 
     def _submit_sync(self, fragment: int, round_: int, delta: torch.Tensor, weight: int,
-                     forming: Forming | None) -> tuple[Any, torch.Tensor, int]:
+                     forming: Forming | None, stopping: bool = False) -> tuple[Any, torch.Tensor, int]:
         """Hand the pseudo-gradient to the network thread: into the group formed ahead if there
-        is one (the weight it joined with is the one the group carries), else form it now."""
+        is one (the weight it joined with is the one the group carries), else form it now.
+        ``stopping``: a pause or finish starts it before its landing step."""
         if forming is None:
             fut = self.net.submit(self._average(fragment, round_, delta, float(weight)))
         else:
             group_fut, planned = forming.handle
-            fut = self.net.submit(self._average(fragment, round_, delta, planned, group=group_fut))
+            fut = self.net.submit(self._average(fragment, round_, delta, planned, group=group_fut,
+                                                stopping=stopping))
         return fut, delta, weight
 
     def _start_forming_now(self, pipeline) -> None:
         """Pause or finish with groups forming: they count on our part, so the syncs start now
-        with what we trained so far (their rounds are not started again later)."""
+        with what we trained so far (their rounds are not started again later). Our pushes say
+        so (``PushSlice.stopping``): the others must not take themselves for late."""
         for f in pipeline.take_forming():
             delta, weight = self.worker.begin_sync(f.fragment)
             self._sync_started_at[f.fragment] = self.worker.step
             pipeline.start(f.fragment, f.round, self.worker.step,
-                           self._submit_sync(f.fragment, f.round, delta, weight, f))
+                           self._submit_sync(f.fragment, f.round, delta, weight, f, stopping=True))
             log.info("started fragment %d round %d early (pause or finish): its group was forming",
                      f.fragment, f.round)
 
     async def _form_group(self, fragment: int, round_: int, weight: float, numel: int,
                           follow: tuple[float, float] | None = None):
         codec = self.signed.manifest.train.sync.codec
+        if _fault_alone(fragment, round_):  # tests: cut off from this round's group
+            log.info("fault injected: averaging fragment=%d round=%d alone", fragment, round_)
+            return None
         if follow is not None:  # slower than the swarm: join when the others do (peer.pace)
             t0 = time.monotonic()
             seen = await self.matchmaker.wait_for_others(fragment, round_, numel, follow[0])
@@ -180,9 +187,9 @@ class SyncMixin:
         return await self.matchmaker.form_group(fragment, round_, weight, numel, codec)
 
     async def _average(self, fragment: int, round_: int, delta: torch.Tensor, weight: float, *,
-                       group: Any = None):
+                       group: Any = None, stopping: bool = False):
         """All-reduce in our group for (fragment, round): the one formed ahead (a future), or
-        one formed now; None means average alone."""
+        one formed now; None means average alone. ``stopping``: see ``Averager.allreduce``."""
         if group is None:
             group = await self._form_group(fragment, round_, float(weight), delta.numel())
         else:  # formed ahead: we carry the weight we joined with
@@ -193,7 +200,7 @@ class SyncMixin:
             return None
         if _fault_due(fragment, round_):  # tests: vanish mid-round, as with kill -9
             os.kill(os.getpid(), signal.SIGKILL)
-        outcome = await self.averager.allreduce(group, delta, float(weight))
+        outcome = await self.averager.allreduce(group, delta, float(weight), stopping=stopping)
         # A slice whose reducer failed has no agreed mean. Keep that slice of the *global* copy
         # where it was (a zero averaged delta): every surviving member does the same, so they
         # still hold bit-identical global copies. (Using each member's own delta there would

@@ -124,8 +124,9 @@ def shared_landings(events, peers: tuple[int, ...]) -> dict[tuple[int, int, str]
 
 def last_landings_shared(events, peers: tuple[int, ...]) -> bool:
     """Whether ``peers`` landed the last round of every fragment in one group, from one copy:
-    then their final global copies must be identical. (A run that ends right after a round in
-    which they split, or averaged alone, ends before the repair that would follow.)"""
+    then their final global copies must be identical. (Two peers that end at the same rounds
+    also compare final copies before they go, ``Node._settle_final``; but told to finish at
+    once, each stops after its own current round, and they may end a round apart.)"""
     last: dict[tuple[int, int], tuple[str | None, dict]] = {}
     for i, before, ev in landings(events, peers):
         last[(i, ev["fragment"])] = (before, ev)

@@ -191,7 +191,7 @@ async def send_bad_slices(av, group, vec: torch.Tensor, me: int) -> None:
         payload = values.numpy().tobytes()  # fp32 by hand: the codec refuses to encode a NaN
         msg = PushSlice(run_id=group.run_id, fragment=group.fragment, round=group.round, group_id=group.group_id,
                         part=j, offset=s, numel=e - s, shape=shape, dtype="float32", codec=group.codec,
-                        weight=group.weights[me], payload=payload)
+                        weight=group.weights[me], stopping=False, payload=payload)
         frame = bytearray(seal(msg, av.identity))
         if kind == "forged":
             frame[-1] ^= 0x01  # the payload no longer matches the signature

@@ -24,9 +24,11 @@ class FakeP2P:
         pass
 
 
-def frame(group_id: bytes, numel: int = 256, run_id: bytes = RUN_ID, signer: Identity = SENDER) -> bytes:
+def frame(group_id: bytes, numel: int = 256, run_id: bytes = RUN_ID, signer: Identity = SENDER,
+          stopping: bool = False) -> bytes:
     msg = PushSlice(run_id=run_id, fragment=0, round=1, group_id=group_id, part=0, offset=0, numel=numel,
-                    shape=(numel,), dtype="float32", codec="fp32", weight=1.0, payload=bytes(4 * numel))
+                    shape=(numel,), dtype="float32", codec="fp32", weight=1.0, stopping=stopping,
+                    payload=bytes(4 * numel))
     return seal(msg, signer)
 
 
@@ -188,13 +190,31 @@ def test_how_long_early_frames_waited_counts_from_when_half_the_members_had_sent
                             ttl_s=60.0)
     gid, members = b"g" * 16, ["a", "b", "c"]
     assert pending.waited(gid, members) == 0.0  # nothing buffered: nobody waits for us
-    pending.add(gid, "a", "frame", 10)
+    pending.add(gid, "a", "frame", 10, waits=True)
     now[0] = 103.0
     assert pending.waited(gid, members) == 0.0  # one of three (a liar, say) decides nothing
-    pending.add(gid, "z", "frame", 10)  # not a member of the group
+    pending.add(gid, "z", "frame", 10, waits=True)  # not a member of the group
     assert pending.waited(gid, members) == 0.0
-    pending.add(gid, "b", "frame", 10)
-    pending.add(gid, "b", "frame", 10)  # its second frame changes nothing
+    pending.add(gid, "b", "frame", 10, waits=True)
+    pending.add(gid, "b", "frame", 10, waits=True)  # its second frame changes nothing
     now[0] = 105.0
     assert pending.waited(gid, members) == 2.0  # since the second of three members sent
     assert pending.waited(gid, ["a", "b"]) == 5.0  # of two, since the first
+
+
+def test_only_pushes_of_members_that_started_at_their_step_count_as_waiting_for_us():
+    """A member that pauses or finishes starts its rounds before its step (``PushSlice.stopping``):
+    its pushes, like a blame or a stream's end, say nothing about our pace. Otherwise an equal
+    partner of a pausing member would take itself for the straggler and follow (peer.pace)."""
+    av = averager()
+    others = [Identity.from_seed(bytes([i]) * 32) for i in (3, 4)]
+    ids = [o.peer_id for o in others]
+    gid = b"s" * 16
+    av._on_frame(ids[0], frame(gid, signer=others[0], stopping=True))
+    av._on_frame(ids[1], frame(gid, signer=others[1], stopping=True))
+    av._stream_ended(ids[0], {(gid, PushSlice)})  # its stream ended: a note in the buffer
+    av._blame(ids[1], gid, "bad")
+    assert len(av.pending.items(gid)) == 4  # all kept for the round...
+    assert not av.pending.started(gid, ids) and av.pending.waited(gid, ids) == 0.0  # ...none waits for us
+    av._on_frame(ids[1], frame(gid, signer=others[1]))
+    assert av.pending.started(gid, ids)  # one of two started at its step and waits

@@ -2,6 +2,7 @@
 and one node per identity. Two `python -m peer.node` processes on 127.0.0.1 (via peer.demo)."""
 
 import math
+import re
 import subprocess
 import tempfile
 import time
@@ -129,3 +130,33 @@ def test_after_a_short_pause_the_peers_fall_back_in_step_and_agree_again(demos):
     summary = demo.wait()
     assert summary["errors"] == [] and summary["finished"] == 2
     assert summary["global_copies_agree"], "the peers still hold different global copies"
+
+
+def test_a_partner_that_pauses_mid_round_does_not_make_the_other_peer_follow(demos):
+    """A pause starts the rounds whose groups are forming at once, before their start step
+    (``_start_forming_now``). Those pushes come early to the partner, which must not take
+    that for having kept its group waiting (``peer.pace``): it would follow, and, alone in a
+    swarm of two, move its counter on without training. They are marked ``PushSlice.stopping``."""
+    workdir = Path(tempfile.mkdtemp(prefix="ss-ctl-", dir="/tmp"))
+    events = Events()
+    demo = Demo(2, rounds=None, workdir=workdir, on_event=events, envs={i: {"SWARMSTREAM_LOG": "INFO"} for i in (0, 1)})
+    demos.append(demo)
+    demo.start()
+    events.wait_for(lambda i, ev: i == 0 and ev.get("event") == "synced" and not ev["alone"])
+    sock = demo.control_path(0)
+    call(sock, PauseTraining)
+    wait_status(sock, lambda s: s.state == "paused")
+    early = re.findall(r"started fragment (\d+) round (\d+) early", (workdir / "peer0.log").read_text())
+    assert early, "the pause found no group forming to start early"
+    fragment, round_ = map(int, early[-1])
+    events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "synced" and ev["fragment"] == fragment
+                    and ev["round"] == round_)
+    events.wait_for(lambda i, ev: i == 1 and ev.get("event") == "synced")  # one more: its verdict is logged by now
+    log1 = (workdir / "peer1.log").read_text()
+    assert "following its rounds" not in log1, "the partner of a pausing peer took itself for the straggler"
+    call(demo.control_path(1), FinishAndStop)
+    call(sock, ResumeTraining)
+    call(sock, FinishAndStop)
+    summary = demo.wait()
+    assert summary["errors"] == []
+    assert [s["steps_skipped"] for _, s in sorted(demo.summaries.items())][1] == 0

@@ -303,3 +303,22 @@ def test_a_run_whose_presence_is_sharded_trains_as_one_and_estimates_its_size(tm
                   for m in re.finditer(r"presence level=(\d+) estimate=([\d.]+)", log)]
         assert levels and max(lv for lv, _ in levels) >= 1, f"peer {i} never sharded its presence: {levels}"
         assert all(1 <= est <= 16 for lv, est in levels if lv >= 1), f"peer {i} estimated {levels}"
+
+
+def test_peers_that_averaged_their_last_round_apart_end_on_one_copy(tmp_path, demos):
+    """A run ends (``--rounds 3``) right after a round the two peers averaged apart: peer 1 is
+    cut off from fragment 1's last round (it joins no group; so peer 0 averages it alone too),
+    and no later round mixes their copies again. Before they go, they compare final copies
+    (``Node._settle_final``): the tie goes to the smallest key's copy, the other peer downloads
+    it, and both end, checkpoint included, on one model."""
+    logs = {"SWARMSTREAM_LOG": "INFO"}
+    demo = Demo(2, rounds=3, workdir=tmp_path, envs={0: logs, 1: {**logs, "SWARMSTREAM_FAULT": "alone:1:2"}})
+    demos.append(demo)
+    demo.start()
+    summary = demo.wait()
+    assert summary["errors"] == [] and summary["finished"] == 2, summary
+    assert demo.landed[0][(1, 2)] != demo.landed[1][(1, 2)], "their last round was not averaged apart"
+    assert summary["global_copies_agree"], [s["global_digest"] for s in demo.summaries.values()]
+    said = [(tmp_path / f"peer{i}.log").read_text() for i in (0, 1)]
+    assert sum("downloading theirs" in s for s in said) == 1, "exactly one of them takes the other's copy"
+    assert all("final copy agreed" in s for s in said)

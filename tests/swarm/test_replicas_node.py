@@ -44,7 +44,7 @@ def test_a_two_process_node_averages_with_a_single_process_peer_and_pauses_as_on
     seen = events.drain()
     # every group both landed from one copy, they landed one result; and the final copies agree
     # when the last round of each fragment was such a group (two peers told to finish at once
-    # may end on a round they averaged apart, under load: nothing repairs a run that has ended)
+    # each stop after their own current round: under load they may end a round apart)
     assert all(len(d) == 1 for d in shared_landings(seen, (0, 1)).values()), shared_landings(seen, (0, 1))
     if last_landings_shared(seen, (0, 1)):
         assert summary["global_copies_agree"], summary

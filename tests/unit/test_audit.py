@@ -41,7 +41,7 @@ def _push(g: Group, sender: int, part: int, values: torch.Tensor, step: int) -> 
         b = min(a + step, e)
         frames.append(seal(PushSlice(run_id=RUN, fragment=g.fragment, round=g.round, group_id=g.group_id, part=part,
                                      offset=a, numel=b - a, shape=(b - a,), dtype="float32", codec=g.codec,
-                                     weight=g.weights[sender], payload=get_codec(g.codec).encode(values[a:b])),
+                                     weight=g.weights[sender], stopping=False, payload=get_codec(g.codec).encode(values[a:b])),
                            KEYS[sender]))
     return frames
 

@@ -33,7 +33,7 @@ def member() -> Round:
 def push(rnd: Round, sender: int, value: float, numel: int = 10) -> None:
     """``sender``'s slice of part 0 (ours): ``numel`` of its 10 elements, all ``value``."""
     msg = PushSlice(run_id=RUN, fragment=0, round=1, group_id=GID, part=0, offset=0, numel=numel, shape=(numel,),
-                    dtype="float32", codec="fp32", weight=1.0,
+                    dtype="float32", codec="fp32", weight=1.0, stopping=False,
                     payload=get_codec("fp32").encode(torch.full((numel,), value)))
     frame = seal(msg, KEYS[sender])
     v = verify(frame)

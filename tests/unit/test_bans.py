@@ -20,7 +20,7 @@ OTHER = Identity.from_seed(b"\x12" * 32)
 def push(payload: bytes, numel: int = 256, shape: tuple = (256,), codec: str = "fp32", run_id: bytes = RUN,
          signer: Identity = LIAR, weight: float = 1.0) -> bytes:
     return seal(PushSlice(run_id=run_id, fragment=0, round=1, group_id=b"g" * 16, part=0, offset=0, numel=numel,
-                          shape=shape, dtype="float32", codec=codec, weight=weight, payload=payload), signer)
+                          shape=shape, dtype="float32", codec=codec, weight=weight, stopping=False, payload=payload), signer)
 
 
 GOOD = torch.randn(256, generator=torch.Generator().manual_seed(0))

@@ -35,7 +35,7 @@ def push_slice(payload: bytes = bytes(range(256)) * 4, *, run_id: bytes = RUN, r
                fragment: int = 2, group_id: bytes = GROUP) -> PushSlice:
     return PushSlice(run_id=run_id, fragment=fragment, round=round, group_id=group_id, part=1, offset=512,
                      numel=2 * len(payload), shape=(2 * len(payload),), dtype="float32", codec="fp4",
-                     weight=4096.0, payload=payload)
+                     weight=4096.0, stopping=False, payload=payload)
 
 
 def test_seal_and_verify_round_trip():

@@ -50,3 +50,19 @@ def test_schedule_rejects_overlap_that_would_run_into_the_next_sync():
         SyncSchedule(10, 2, 5)
     with pytest.raises(LocalProtocolError):
         SyncSchedule(3, 4, 0)
+
+
+@pytest.mark.parametrize("H,P,tau", [(1, 1, 0), (12, 3, 2), (10, 4, 1), (100, 5, 5)])
+def test_a_state_stands_right_before_its_first_sync_not_done_whenever_it_was_landed(H, P, tau):
+    """``step_of``: one step for the rounds done, whatever step a peer landed them at (on time,
+    late, or moved on as a follower), so peers holding one copy vouch for one digest."""
+    s = SyncSchedule(H, P, tau)
+    assert s.step_of([0] * P) == s.offset(0) - 1  # nothing done: before the first sync
+    done = [0] * P
+    for step in range(1, 5 * H + 1):  # land each sync on time, then check where the state stands
+        for p in s.lands_after(step):
+            done[p] += 1
+            at = s.step_of(done)
+            assert at >= step  # never before the step it was landed at ...
+            nxt = min(s.next_start(q, step + 1) for q in range(P))
+            assert at == nxt - 1  # ... and right before the next sync any fragment starts

@@ -163,7 +163,7 @@ def test_round_trip(cls, data):
 
 def test_payload_is_neither_copied_on_encode_nor_on_decode():
     msg = PushSlice(run_id=b"r" * 20, fragment=0, round=1, group_id=b"g" * 16, part=0, offset=0, numel=1000,
-                    shape=(1000,), dtype="float32", codec="fp16", weight=1.0, payload=bytes(2000))
+                    shape=(1000,), dtype="float32", codec="fp16", weight=1.0, stopping=False, payload=bytes(2000))
     head, payload = encode_parts(msg)
     assert payload is msg.payload
     wire = head + payload
@@ -315,7 +315,7 @@ def test_text_from_peers_cannot_carry_terminal_escapes():
 ])
 def test_slices_are_validated_at_construction(change, reason):
     base = dict(run_id=b"r" * 20, fragment=0, round=1, group_id=b"g" * 16, part=0, offset=0, numel=1000,
-                shape=(1000,), dtype="float32", codec="fp16", weight=1.0, payload=bytes(2000))
+                shape=(1000,), dtype="float32", codec="fp16", weight=1.0, stopping=False, payload=bytes(2000))
     if reason is None:
         assert PushSlice(**{**base, **change}).shape == (1000,)
     else:

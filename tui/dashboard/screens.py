@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATE_STYLE = {"training": "bold green", "averaging": "bold cyan", "syncing": "bold yellow",
-               "paused": "bold magenta", "pausing": "magenta", "finishing": "bold yellow", "leaving": "bold red", "joining": "yellow"}
+               "paused": "bold magenta", "pausing": "magenta", "finishing": "bold yellow", "finished": "green",
+               "leaving": "bold red", "joining": "yellow"}
 
 
 class ViewScreen(Screen):
