@@ -130,15 +130,18 @@ class SyncPipeline:
         self._forming[fragment] = f
         return f
 
-    def starts(self, step: int) -> list[tuple[int, int, Forming | None]]:
+    def starts(self, step: int, before_round: int | None = None) -> list[tuple[int, int, Forming | None]]:
         """(fragment, round, its group forming or None) of the syncs that start after inner
-        step ``step``; a round already started (early, by a pause) is not started again."""
+        step ``step``; a round already started (early, by a pause) is not started again. A
+        node that stops after a known round passes ``before_round``: no round from it on
+        starts, also when the last round of another fragment lands only at this step (a
+        follower, a late landing) and the loop has not stopped yet."""
         if self.closed:
             return []
         out = []
         for p in self.schedule.starts_after(step):
             r = self.schedule.round_of(p, step)
-            if r <= self._started.get(p, -1):
+            if r <= self._started.get(p, -1) or (before_round is not None and r >= before_round):
                 continue
             f = self._forming.get(p)
             if f is not None and f.round != r:

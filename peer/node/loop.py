@@ -330,7 +330,7 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
                             if time.monotonic() - last_ckpt >= self.cfg.checkpoint_every_s:
                                 last_ckpt = time.monotonic()
                                 self._save()
-                    for p, r, forming in pipeline.starts(step) if when == "before" else ():
+                    for p, r, forming in pipeline.starts(step, last_round) if when == "before" else ():
                         delta, weight = worker.begin_sync(p)
                         self._sync_started_at[p] = step
                         pipeline.start(p, r, step, self._submit_sync(p, r, delta, weight, forming))

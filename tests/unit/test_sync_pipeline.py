@@ -112,6 +112,22 @@ def test_a_finishing_node_joins_no_round_past_its_last_and_leaves_those_it_had_j
     assert [f.handle for f in pipe.leave_forming(0)] == ["g0", "g1"] and not pipe
 
 
+def test_a_node_whose_last_round_lands_late_starts_no_round_past_it():
+    """``--rounds 1``, and fragment 1's round 0 (started after step 20) lands only at step 30,
+    where fragment 0's round 1 starts (a follower lands when its result is there): that round
+    is not started, so the node stops at the rounds the others stop at. (Started, it made one
+    peer end a round ahead of its partner, whose final copies then could not be compared.)"""
+    sched = SyncSchedule(inner_steps=20, fragments=2, overlap=1)
+    pipe = SyncPipeline(sched)
+    assert pipe.starts(10, before_round=1) == [(0, 0, None)]
+    pipe.start(0, 0, 10, "f0")
+    assert [s.handle for s in pipe.due(11)] == ["f0"]
+    assert pipe.starts(20, before_round=1) == [(1, 0, None)]
+    pipe.start(1, 0, 20, "f1")
+    assert pipe.due(30, ready=lambda s: True, max_late=None)  # lands at fragment 0's next start
+    assert pipe.starts(30, before_round=1) == [] and pipe.starts(30) == [(0, 1, None)]
+
+
 def test_a_fast_forward_download_returns_the_forming_groups_and_a_repair_keeps_them():
     pipe = SyncPipeline(SyncSchedule(inner_steps=20, fragments=2, overlap=1))
     pipe.form(0, 0, 6, 10, "g0")
