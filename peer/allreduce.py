@@ -344,8 +344,9 @@ class Averager:
         elif gid in self._finished:
             log.debug("frame for a finished group dropped peer=%s group=%s", peer_id, gid.hex())
             return None
-        elif not self._pending.add(gid, peer_id, v, nbytes, data,
-                                   waits=isinstance(v.message, PushSlice) and not v.message.stopping):
+        elif not self._pending.add(gid, peer_id, v, nbytes, data,  # a banned member's earliness decides nothing
+                                   waits=isinstance(v.message, PushSlice) and not v.message.stopping
+                                   and peer_id not in self.banned):
             return None  # dropped at a limit of ours: its stream's end says nothing about the sender
         return None if isinstance(v.message, PartsHeld) else (gid, type(v.message))
 

@@ -200,7 +200,7 @@ class PendingFrames:
         for group ``gid``. -> False when it was dropped (logged) at a limit. ``waits``: the
         frame is a push of a member that started the round at its step and now waits for us
         (what ``waited`` and ``started`` count; a blame, a note or a push sent early by a
-        member that pauses or finishes does not)."""
+        member that pauses, stops or catches up by a download does not)."""
         self._expire()
         g = self._groups.get(gid)
         if isinstance(item, str) and g is not None and (peer_id, item) in g.notes:

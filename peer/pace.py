@@ -38,8 +38,9 @@ slow member waits for its part every round (the push deadline is long), so the o
 waits included, drops to the slow one's and the test above never finds it slow: the whole
 swarm would run at its pace. A node whose group's other members (half of them, so one liar of
 three cannot decide it) had sent their frames a fifth of a round before it started is slow
-(frames marked ``PushSlice.stopping`` do not count: a member that pauses or finishes starts its
-rounds before its step, which says nothing about our pace),
+(frames marked ``PushSlice.stopping`` do not count: a member that pauses, stops or catches up by
+a download starts its rounds before its step, which says nothing about our pace; nor do a
+banned member's),
 and held so for ``HOLD_FOR`` intervals while the others, no longer waiting, show their own pace
 again. One such sync is enough: each one the slow peer waits out holds every fast member of
 its group for that long, and the first sync of a run comes before 20 steps are timed, so the

@@ -218,3 +218,17 @@ def test_only_pushes_of_members_that_started_at_their_step_count_as_waiting_for_
     assert not av.pending.started(gid, ids) and av.pending.waited(gid, ids) == 0.0  # ...none waits for us
     av._on_frame(ids[1], frame(gid, signer=others[1]))
     assert av.pending.started(gid, ids)  # one of two started at its step and waits
+
+
+def test_a_banned_members_early_pushes_do_not_count_as_waiting_for_us():
+    """A member banned for a proven lie may still push first in every group it is in; its
+    earliness must not make us follow (``peer.pace``), which would cost our steps, not its."""
+    av = averager()
+    liar, other = Identity.from_seed(b"\x05" * 32), Identity.from_seed(b"\x06" * 32)
+    av.banned = frozenset({liar.peer_id})
+    gid = b"b" * 16
+    av._on_frame(liar.peer_id, frame(gid, signer=liar))
+    assert len(av.pending.items(gid)) == 1  # kept for the round (counted there, not averaged)...
+    assert not av.pending.started(gid, [liar.peer_id, other.peer_id])  # ...but it waits for nobody
+    av._on_frame(other.peer_id, frame(gid, signer=other))
+    assert av.pending.started(gid, [liar.peer_id, other.peer_id])
