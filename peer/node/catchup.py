@@ -32,6 +32,25 @@ def download_s(swarm) -> float:
     return swarm.state_chunk_timeout_s * 8 + 60
 
 
+def final_vote(done: dict[bytes, bytes], me: bytes, ours: bytes, taken: int = 0) -> tuple[bytes, list[bytes], bool]:
+    """Of the final copies of the peers finished at our rounds (``done``: key -> digest) and
+    ours, the one the most hold, a tie going to the smallest key's; its holders; and whether
+    we should take it: it is not ours, and more peers hold it than held the copy we took last
+    (``taken``; 0 before the first). A liar adds one holder to a copy, so it can move us at
+    most once per finisher, and only ever to a copy an honest finisher may hold too."""
+    best, holders = choose_digest({**done, me: ours}, min_vouchers=1, tie_by_key=True) or (ours, [me])
+    return best, holders, best != ours and len(holders) > taken
+
+
+def settle_limits(swarm, began: float) -> tuple[float, float]:
+    """(deadline, limit) of comparing final copies (``_settle_copy``), begun at ``began``
+    (monotonic): no download starts after the deadline, which leaves a partner its last
+    all-reduce at its longest (2.5 deadlines) and two heartbeats to show it; a download, ours or
+    one from us, holds us until the limit at most, one download later."""
+    deadline = began + 2.5 * swarm.allreduce_timeout_s + 2 * swarm.heartbeat_interval_s
+    return deadline, deadline + download_s(swarm)
+
+
 DIGEST_HISTORY = 16  # of our latest landings whose digests a repair compares peers' heartbeats with
 
 
@@ -134,11 +153,13 @@ class CatchUpMixin:
                 if donor in by_id and min(index.rounds, default=0) >= at_least}
 
     def _current_state(self, swarm, donors: list[str], newer_than: tuple[int, ...] | None = None,
-                       wait_s: float = 0.0, min_donors: int = 2) -> tuple[bytes, list[str], tuple[int, ...]]:
+                       wait_s: float = 0.0, min_donors: int = 2,
+                       want: bytes | None = None) -> tuple[bytes, list[str], tuple[int, ...]]:
         """The digest of the state that the most of ``donors`` serve now (``min_donors`` or more
         of them, or the run's creator), the donors serving it, and its rounds. With
         ``newer_than``, poll up to ``wait_s`` seconds for a state past those rounds (the swarm's
-        next landing)."""
+        next landing). With ``want``, only that state counts (a copy a vote chose: a donor that
+        serves another one is not asked for it)."""
         deadline = time.monotonic() + wait_s
         attempt = 0
         while True:
@@ -147,9 +168,11 @@ class CatchUpMixin:
                                    timeout=swarm.state_chunk_timeout_s + 10)
             by_digest: dict[bytes, list[str]] = {}
             for donor, (digest, _) in served.items():
-                by_digest.setdefault(digest, []).append(donor)
+                if want is None or digest == want:
+                    by_digest.setdefault(digest, []).append(donor)
             if not by_digest:
-                raise StateSyncError(f"none of {len(donors)} donors answered with a state index")
+                raise StateSyncError(f"none of {len(donors)} donors answered with a state index"
+                                     + ("" if want is None else f" of state {want.hex()[:12]}"))
             digest, serving = max(by_digest.items(), key=lambda kv: (len(kv[1]), sum(served[kv[1][0]][1].rounds)))
             rounds = tuple(served[serving[0]][1].rounds)
             agreed = len(serving) >= min_donors or any(peer_id_from_public_key(k) in serving for k in self._trusted)
@@ -166,13 +189,15 @@ class CatchUpMixin:
                 raise StateSyncError("stopped")
 
     def _download(self, swarm, vouchers: list[bytes], peers: dict, *, fast_forward: bool,
-                  min_donors: int = 2, at_rounds: tuple[int, ...] | None = None) -> bool:
+                  min_donors: int = 2, at_rounds: tuple[int, ...] | None = None, want: bytes | None = None,
+                  timeout_s: float | None = None) -> bool:
         """Download the global state that the most of ``vouchers`` serve now and load it. To catch
         up (``fast_forward``), take the state of the swarm's *next* landing: the swarm is already
         matching peers for the round in flight, and a state from before it would always leave us
         one round late. We idle for at most one round, then start in step with everyone. With
         ``at_rounds`` (a repair), only a state at those rounds is taken; False (nothing changed)
-        if the donors serve other rounds at this moment, or the download failed."""
+        if the donors serve other rounds at this moment, or the download failed. ``want``: only
+        that state (``_current_state``); ``timeout_s``: the most the fetch may take."""
         if fast_forward and self._pipeline is not None and self._pipeline.forming():
             # we wait below for the swarm's next landing, and a group formed ahead with us in
             # it cannot land without our part: contribute it now (as a pause does), then wait
@@ -185,7 +210,7 @@ class CatchUpMixin:
         t0 = time.perf_counter()
         try:
             donors = [peer_id_from_public_key(v) for v in vouchers]
-            digest, serving, rounds = self._current_state(swarm, donors, min_donors=min_donors)
+            digest, serving, rounds = self._current_state(swarm, donors, min_donors=min_donors, want=want)
             if at_rounds is not None and rounds != at_rounds:
                 log.info("donors serve rounds %s, not ours (%s): not downloading now", list(rounds), list(at_rounds))
                 self.state = previous
@@ -203,7 +228,7 @@ class CatchUpMixin:
 
             state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, serving, digest,
                                               chunk_timeout_s=swarm.state_chunk_timeout_s, progress=progress),
-                                  timeout=download_s(swarm))
+                                  timeout=download_s(swarm) if timeout_s is None else min(download_s(swarm), timeout_s))
             check_finite(state)  # here, before anything changes; apply() checks it again
             check_distance(worker, state, self.stats.rounds)
         except (StateSyncError, NetworkError) as e:
@@ -301,17 +326,22 @@ class CatchUpMixin:
         or in different groups) would keep different final models. Among us and the peers
         whose heartbeat says they finished at our exact rounds (state ``finished``, which ours
         says from now on), the copy the most hold wins, a tie going to the smallest key's
-        (``choose_digest``: the same choice on every peer); a node holding another downloads it
-        from its holders, once (checked as a repair is: finite, near ours; a donor that serves
-        another copy each time cannot walk us away). Published states carry the step their
-        rounds imply (``SyncSchedule.step_of``), so one copy has one digest on every peer.
+        (``choose_digest``: the same choice on every peer); a node holding another downloads
+        that copy (only that digest, from its holders; checked as a repair is: finite, near
+        ours). It downloads again only to a copy held by strictly more peers than the one it
+        last took, in two tries each: peers still on their way may turn a tie into a majority
+        (two peers that averaged alone first, three that averaged together after), and a liar,
+        which adds one holder to a copy, cannot walk us more than once per finisher. Published
+        states carry the step their rounds imply (``SyncSchedule.step_of``), so one copy has
+        one digest on every peer.
 
         We beat so that the others see our final digest, and go when every such peer shows the
         winner, nobody is still on the way to our rounds (``_on_way_to``) and nobody is
-        downloading from us; or at most an all-reduce deadline and two heartbeat intervals
-        after we began (longer while a download from us lasts). A failed read of the peers
-        concludes nothing; a peer missing from one read is kept until its heartbeat would have
-        expired."""
+        downloading from us. At the latest (``settle_limits``): no download starts after
+        2.5 all-reduce deadlines (the longest an honest partner's last round may take) and two
+        heartbeat intervals, and neither ours nor one from us holds us past that plus one
+        download. A failed read of the peers concludes nothing; a peer missing from one read is
+        kept until its heartbeat would have expired."""
         self.state = "finished"
         self._harvest_published(wait_s=swarm.state_chunk_timeout_s)
         mine = tuple(self.stats.rounds)
@@ -319,11 +349,11 @@ class CatchUpMixin:
             log.warning("not comparing our final copy with the other finishers': its publish did not finish")
             return
         began = time.monotonic()
-        deadline = began + swarm.allreduce_timeout_s + 2 * swarm.heartbeat_interval_s
+        deadline, limit = settle_limits(swarm, began)
         me = self.identity.public_key
         view: dict[bytes, tuple[Any, float]] = {k: (hb, began) for k, hb in self._peers.items() if k != me}
         heard: set[bytes] = set()  # peers whose heartbeat changed since we began
-        downloaded, tries = False, 0  # one download at most, in two tries at most
+        taken, tries = 0, 0  # holders of the copy we last took (none yet), and tries at the next
         beat_at, beat_digest = 0.0, b""
         while not self.stop_event.is_set():
             now = time.monotonic()
@@ -347,22 +377,21 @@ class CatchUpMixin:
             done = {k: hb.state_digest for k, hb in peers.items()
                     if hb.state == "finished" and tuple(hb.rounds) == mine and hb.state_digest}
             on_way = [k for k, hb in peers.items() if self._on_way_to(mine, hb, heard=k in heard)]
-            best, holders = choose_digest({**done, me: self.state_digest}, min_vouchers=1, tie_by_key=True) \
-                or (self.state_digest, [me])
-            if best != self.state_digest and not downloaded and tries < 2:
+            best, holders, take = final_vote(done, me, self.state_digest, taken)
+            if take and tries < 2 and now < deadline:
                 log.warning("our final copy differs from the one %d of %d peers finished at rounds %s hold; "
                             "downloading theirs", len(holders), len(done) + 1, list(mine))
                 tries += 1
-                downloaded = self._download(swarm, holders, peers, fast_forward=False, min_donors=1,
-                                            at_rounds=mine)
-                if downloaded:
+                if self._download(swarm, holders, peers, fast_forward=False, min_donors=1, at_rounds=mine,
+                                  want=best, timeout_s=limit - time.monotonic()):
+                    taken, tries = len(holders), 0
                     continue  # show it at once: the others wait for us to
             elif (read is not None and not on_way and not self.state_server.serving
                   and all(d == best for d in done.values())):
                 log.info("final copy agreed with %d finished peer(s) at rounds %s", len(done), list(mine))
                 return
             # a peer downloading our copy may take as long as a download may
-            if time.monotonic() >= deadline + (download_s(swarm) if self.state_server.serving else 0.0):
+            if time.monotonic() >= (limit if self.state_server.serving else deadline):
                 log.warning("stopping without agreeing on the final copy: %d peer(s) still on their way, %d of %d "
                             "finished at our rounds hold another", len(on_way),
                             sum(d != self.state_digest for d in done.values()), len(done))

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from peer.node.catchup import CatchUpMixin
+from peer.node.catchup import CatchUpMixin, download_s, final_vote, settle_limits
 
 MINE = (5, 5)
 
@@ -31,3 +31,41 @@ def hb(state: str, rounds: tuple[int, ...]) -> SimpleNamespace:
 ])
 def test_who_a_finishing_node_waits_for(state, rounds, heard, waits):
     assert CatchUpMixin._on_way_to(MINE, hb(state, rounds), heard=heard) is waits
+
+
+A, B, C, D, E, L = (bytes([k]) * 32 for k in (2, 3, 4, 5, 6, 1))  # L: the smallest key
+
+
+def test_a_finisher_takes_a_tie_then_a_majority_that_came_later():
+    """Found by a review: A and B each averaged their last round alone (copies X and Y), C, D
+    and E together (Z), and A and B finished first. B takes A's copy (a tie goes to the
+    smallest key's); then the three arrive, and B takes Z too (it used to stop at one
+    download, and stayed on X while everyone else ended on Z)."""
+    best, holders, take = final_vote({A: b"X"}, B, b"Y")
+    assert (best, holders, take) == (b"X", [A], True)
+    taken = len(holders)
+    best, holders, take = final_vote({A: b"X", C: b"Z", D: b"Z", E: b"Z"}, B, b"X", taken)
+    assert (best, take) == (b"Z", True) and len(holders) == 3
+    taken = len(holders)
+    assert final_vote({A: b"Z", C: b"Z", D: b"Z", E: b"Z"}, B, b"Z", taken)[2] is False  # agreed
+
+
+def test_a_liar_can_move_a_finisher_at_most_once_per_holder_it_adds():
+    """L (the smallest key) claims whichever copy suits it. Beside one honest holder of a copy
+    it breaks a tie once; after that it needs a copy with more holders than the one we took,
+    and switching sides gives it none."""
+    ours = b"X"
+    best, holders, take = final_vote({A: b"X", C: b"Z", L: b"W"}, B, ours)
+    assert best == b"X" and not take  # a copy of its own has one holder: the majority keeps ours
+    best, holders, take = final_vote({A: b"X", C: b"Z", L: b"Z"}, B, ours)
+    assert (best, take) == (b"Z", True)  # a 2-2 tie broken by its key: C's copy (only that digest is fetched)
+    taken, ours = len(holders), b"Z"
+    for claim in (b"X", b"W", b"V"):  # now it switches sides: nothing moves us again
+        assert final_vote({A: b"X", C: b"Z", L: claim}, B, ours, taken)[2] is False
+
+
+def test_the_settle_deadline_leaves_a_partner_its_longest_last_round():
+    swarm = SimpleNamespace(allreduce_timeout_s=20.0, heartbeat_interval_s=3.0, state_chunk_timeout_s=5.0)
+    deadline, limit = settle_limits(swarm, 100.0)
+    assert deadline == 100.0 + 2.5 * 20.0 + 2 * 3.0  # the longest an all-reduce may take, and two heartbeats
+    assert limit == deadline + download_s(swarm)  # one download, ours or from us, at most
