@@ -263,6 +263,8 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
                 self.state = "finishing"
                 log.info("finishing: stopping after round %d", finish_at - 1)
             last_round = min((r for r in (finish_at, self.cfg.max_rounds) if r is not None), default=None)
+            if last_round is not None:
+                self._leave_past(pipeline, last_round)
             reason = self._pause_wanted() if finish_at is None else ""
             if reason:
                 self._pause_reason = reason
@@ -359,14 +361,6 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
                     log.warning("left the run: the sync of fragment %d round %d was abandoned",
                                 sync.fragment, sync.round)
                     self.ledger.record_sync(0, acknowledged=False)
-        if last_round is not None and min(self.stats.rounds) >= last_round:
-            # finished (or max_rounds): a group forming for a later round is left, not started
-            # early; started early, a round that only some finishing peers had joined would land
-            # on some copies and not on others. Its other members drop us at its deadline.
-            for f in pipeline.leave_forming(last_round):
-                f.handle[0].cancel()
-                log.info("left the forming group of fragment %d round %d: we stop after round %d",
-                         f.fragment, f.round, last_round - 1)
         self._start_forming_now(pipeline)  # stopped mid-round: a group formed with us counts on our part
         for sync in pipeline.finish():  # contribute what was started; never drop it silently
             self._land(sync, swarm)
@@ -379,6 +373,18 @@ class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin
         self._save()
         self.ledger.save()
         return self._summary(worker, wall, self._evaluate(worker))
+
+    @staticmethod
+    def _leave_past(pipeline, last_round: int) -> None:
+        """We stop after round ``last_round - 1`` (a finish, ``max_rounds``): a group forming for
+        a later round (joined before a finish was asked for) is left now, not started early by
+        the finish, nor followed to by ``_keep_pace``; started early, a round that only some
+        finishing peers had joined would land on some copies and not on others. Its other
+        members drop us at its deadline."""
+        for f in pipeline.leave_forming(last_round):
+            f.handle[0].cancel()
+            log.info("left the forming group of fragment %d round %d: we stop after round %d",
+                     f.fragment, f.round, last_round - 1)
 
     def stop(self) -> None:
         self.stop_event.set()
