@@ -199,7 +199,7 @@ class PushSlice(_Slice):
     than ``MAX_FRAME_BYTES`` is sent as several PushSlices with consecutive offsets."""
 
     stopping: Annotated[bool, Bool()]
-    """The sender pauses or finishes: it started this round before its landing step, not
+    """The sender pauses, stops or catches up by a download: it started this round before its landing step, not
     because it reached it. The receiver does not count such frames as having waited for it
     (``peer.pace``: a node that keeps its group waiting is slow and follows)."""
     payload: Bulk
