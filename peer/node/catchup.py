@@ -37,7 +37,8 @@ def final_vote(done: dict[bytes, bytes], me: bytes, ours: bytes, taken: int = 0)
     ours, the one the most hold, a tie going to the smallest key's; its holders; and whether
     we should take it: it is not ours, and more peers hold it than held the copy we took last
     (``taken``; 0 before the first). A liar adds one holder to a copy, so it can move us at
-    most once per finisher, and only ever to a copy an honest finisher may hold too."""
+    most once per finisher: to a copy an honest finisher holds, or, winning a tie with its
+    smallest key, to its own (which it must then serve, and which must lie near ours)."""
     best, holders = choose_digest({**done, me: ours}, min_vouchers=1, tie_by_key=True) or (ours, [me])
     return best, holders, best != ours and len(holders) > taken
 
@@ -190,14 +191,14 @@ class CatchUpMixin:
 
     def _download(self, swarm, vouchers: list[bytes], peers: dict, *, fast_forward: bool,
                   min_donors: int = 2, at_rounds: tuple[int, ...] | None = None, want: bytes | None = None,
-                  timeout_s: float | None = None) -> bool:
+                  until: float | None = None) -> bool:
         """Download the global state that the most of ``vouchers`` serve now and load it. To catch
         up (``fast_forward``), take the state of the swarm's *next* landing: the swarm is already
         matching peers for the round in flight, and a state from before it would always leave us
         one round late. We idle for at most one round, then start in step with everyone. With
         ``at_rounds`` (a repair), only a state at those rounds is taken; False (nothing changed)
         if the donors serve other rounds at this moment, or the download failed. ``want``: only
-        that state (``_current_state``); ``timeout_s``: the most the fetch may take."""
+        that state (``_current_state``); ``until``: when (monotonic) the fetch must be done."""
         if fast_forward and self._pipeline is not None and self._pipeline.forming():
             # we wait below for the swarm's next landing, and a group formed ahead with us in
             # it cannot land without our part: contribute it now (as a pause does), then wait
@@ -228,7 +229,8 @@ class CatchUpMixin:
 
             state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, serving, digest,
                                               chunk_timeout_s=swarm.state_chunk_timeout_s, progress=progress),
-                                  timeout=download_s(swarm) if timeout_s is None else min(download_s(swarm), timeout_s))
+                                  timeout=download_s(swarm) if until is None
+                                  else min(download_s(swarm), until - time.monotonic()))
             check_finite(state)  # here, before anything changes; apply() checks it again
             check_distance(worker, state, self.stats.rounds)
         except (StateSyncError, NetworkError) as e:
@@ -329,9 +331,11 @@ class CatchUpMixin:
         (``choose_digest``: the same choice on every peer); a node holding another downloads
         that copy (only that digest, from its holders; checked as a repair is: finite, near
         ours). It downloads again only to a copy held by strictly more peers than the one it
-        last took, in two tries each: peers still on their way may turn a tie into a majority
-        (two peers that averaged alone first, three that averaged together after), and a liar,
-        which adds one holder to a copy, cannot walk us more than once per finisher. Published
+        last took (``final_vote``), in two tries each: peers still on their way may turn a tie
+        into a majority (two peers that averaged alone first, three that averaged together
+        after), and a liar, which adds one holder to a copy, cannot walk us more than once per
+        finisher. Holders that did not serve the copy they claim in two tries (a liar's made-up
+        digest that won a tie, or peers gone) are left out of the vote from then on. Published
         states carry the step their rounds imply (``SyncSchedule.step_of``), so one copy has
         one digest on every peer.
 
@@ -353,7 +357,9 @@ class CatchUpMixin:
         me = self.identity.public_key
         view: dict[bytes, tuple[Any, float]] = {k: (hb, began) for k, hb in self._peers.items() if k != me}
         heard: set[bytes] = set()  # peers whose heartbeat changed since we began
-        taken, tries = 0, 0  # holders of the copy we last took (none yet), and tries at the next
+        taken, tries = 0, 0  # holders of the copy we last took (none yet), and tries at the target
+        target: tuple[bytes, int] | None = None  # the copy we try to take, and its holders' count
+        refused: set[bytes] = set()  # peers that did not serve the copy they claimed: out of the vote
         beat_at, beat_digest = 0.0, b""
         while not self.stop_event.is_set():
             now = time.monotonic()
@@ -375,18 +381,23 @@ class CatchUpMixin:
                 del view[k]  # expired: gone
             peers = {k: hb for k, (hb, _) in view.items()}
             done = {k: hb.state_digest for k, hb in peers.items()
-                    if hb.state == "finished" and tuple(hb.rounds) == mine and hb.state_digest}
+                    if hb.state == "finished" and tuple(hb.rounds) == mine and hb.state_digest and k not in refused}
             on_way = [k for k, hb in peers.items() if self._on_way_to(mine, hb, heard=k in heard)]
             best, holders, take = final_vote(done, me, self.state_digest, taken)
-            if take and tries < 2 and now < deadline:
+            if target != (best, len(holders)):
+                target, tries = (best, len(holders)), 0
+            if take and now < deadline:
                 log.warning("our final copy differs from the one %d of %d peers finished at rounds %s hold; "
                             "downloading theirs", len(holders), len(done) + 1, list(mine))
                 tries += 1
                 if self._download(swarm, holders, peers, fast_forward=False, min_donors=1, at_rounds=mine,
-                                  want=best, timeout_s=limit - time.monotonic()):
-                    taken, tries = len(holders), 0
+                                  want=best, until=limit):
+                    taken = len(holders)
                     continue  # show it at once: the others wait for us to
-            elif (read is not None and not on_way and not self.state_server.serving
+                if tries >= 2:  # they claim a copy they do not serve (a liar's, or gone): vote without them
+                    log.warning("%d peer(s) did not serve the final copy they claim: leaving them out", len(holders))
+                    refused.update(holders)
+            elif (read is not None and not on_way and not self.state_server.serving and best == self.state_digest
                   and all(d == best for d in done.values())):
                 log.info("final copy agreed with %d finished peer(s) at rounds %s", len(done), list(mine))
                 return

@@ -1,7 +1,9 @@
 """Who a node finishing a run waits for before it compares final copies and goes
 (``CatchUpMixin._on_way_to``, used by ``_settle_final``)."""
 
+import threading
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import pytest
 
@@ -69,3 +71,48 @@ def test_the_settle_deadline_leaves_a_partner_its_longest_last_round():
     deadline, limit = settle_limits(swarm, 100.0)
     assert deadline == 100.0 + 2.5 * 20.0 + 2 * 3.0  # the longest an all-reduce may take, and two heartbeats
     assert limit == deadline + download_s(swarm)  # one download, ours or from us, at most
+
+
+class Finisher(CatchUpMixin):
+    """Just what ``_settle_copy`` uses of a node: the heartbeats it reads are ``views`` (one per
+    read, the last repeated), and a download succeeds when ``serves`` has the wanted copy."""
+
+    def __init__(self, me: bytes, ours: bytes, views: list[dict], serves: set[bytes]):
+        self.identity = SimpleNamespace(public_key=me)
+        self.state, self.state_digest, self.state_rounds = "training", ours, MINE
+        self.stats = SimpleNamespace(rounds=list(MINE))
+        self._peers, self.views, self.serves, self.asked = {}, views, serves, []
+        self.stop_event = threading.Event()
+        self.state_server = SimpleNamespace(serving=False)
+        self.presence = SimpleNamespace(peers=lambda run_id, ttl: None)
+        self.net = SimpleNamespace(call=lambda coro, timeout: self.views.pop(0) if len(self.views) > 1 else self.views[0])
+        self.run_id = b"r"
+
+    def _harvest_published(self, wait_s=0.0):
+        pass
+
+    def _beat(self, swarm):
+        pass
+
+    def _download(self, swarm, holders, peers, *, want, **kw):
+        self.asked.append(want)
+        if want in self.serves:
+            self.state_digest = want
+            return True
+        return False
+
+
+def finished(digest: bytes, n: int) -> SimpleNamespace:
+    return SimpleNamespace(state="finished", rounds=MINE, state_digest=digest, sent_at=n)
+
+
+def test_a_liar_whose_made_up_copy_wins_a_tie_is_left_out_and_the_honest_finishers_still_meet():
+    """Found by a review: H1 and H2 averaged their last round alone (X and Y); L, with the
+    smallest key, says it finished holding Z and serves nothing. Z wins the three-way tie; once
+    both tries at it failed, L is out of the vote, and H2 takes H1's copy (the tie without L)."""
+    swarm = SimpleNamespace(allreduce_timeout_s=20.0, heartbeat_interval_s=3.0, heartbeat_ttl_s=10.0,
+                            state_chunk_timeout_s=5.0)
+    node = Finisher(B, b"Y", [{A: finished(b"X", 1), L: finished(b"Z", 1)}], serves={b"X"})
+    with patch("peer.node.catchup.SETTLE_POLL_S", 0.0):
+        node._settle_copy(swarm)
+    assert node.asked == [b"Z", b"Z", b"X"] and node.state_digest == b"X"
