@@ -17,7 +17,11 @@ from pair to pair, so a machine that gets busier over the bench does not favour 
 Per pair: the honest peers' mean held-out loss in each run, the difference in percent of the
 baseline's, whether the honest peers ended on one global copy, and how many syncs they
 averaged alone. Then the mean difference over the pairs with a 95% confidence interval
-(Student's t).
+(Student's t). Each pair is a run of its own (a manifest of its own, so another run ID, which
+seeds the data order): the runs of one manifest on this machine came out the same to the last
+digit, quiet and beside two busy loops (``--busy 2``), so pairs of one manifest would measure
+one outcome again and again. Across runs the liar's cost varies with which part it reduces in
+its groups and the groups' order.
 
     python bench/liar.py                          # 5 pairs, push1000+mean1000+withhold (~25 min)
     python bench/liar.py --pairs 2 --rounds 6     # ~8 min
@@ -56,11 +60,14 @@ def t95(df: int) -> float:
 
 
 def setup(root: Path, allreduce_timeout_s: float) -> Path:
-    """The run's manifest and the keys of its peers 0..3, shared by every run of the bench."""
+    """A run's manifest and the keys of its peers 0..3, shared by the two runs of a pair. Each
+    pair gets a manifest of its own (its creation time differs, so its run ID, which seeds the
+    data order): the runs of one manifest repeat each other, so pairs of one manifest would
+    measure one outcome again and again."""
     from peer.demo import demo_manifest
     from protocol.identity import Identity
 
-    out = root / "setup"
+    out = root
     out.mkdir()
     for i in range(4):  # fixed keys: a peer's key picks its data and the groups' order
         key = out / f"peer{i}.key"
@@ -141,8 +148,8 @@ def main() -> int:
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     rows = []
     try:
-        setup_dir = setup(root, args.allreduce_timeout)
         for k in range(args.pairs):
+            setup_dir = setup(root / f"setup{k}", args.allreduce_timeout)
             order = ("baseline", "attacked") if k % 2 == 0 else ("attacked", "baseline")
             runs = {}
             for side in order:

@@ -122,7 +122,10 @@ def test_a_node_lying_several_ways_at_once_leaves_the_honest_ones_agreeing_finit
     falls back), whom it withholds from, and the group order of the honest rounds differ from
     run to run, and the loss after 10 rounds moves with them. Lockstep, beside two busy
     loops, 7 attacked runs against their baseline: -1.5% to +3.4%, mean -0.03%; the baseline
-    alone 2.801 to 2.831. Undefended, these lies gave +60% or NaN."""
+    alone 2.801 to 2.831. ``bench/liar.py`` (5 quiet pairs, each a run of its own): mean
+    +0.93% (95% CI -0.74% to +2.61%), range -0.63% to +2.86%; the two runs of one pair's
+    manifest repeat to the last digit.
+    Undefended, these lies gave +60% or NaN."""
     setup, base = honest_run
     demo, seen = run(tmp_path / "attacked", demos, 4, setup, envs={3: {"SWARMSTREAM_FAULT": lies}})
     with_liar = [ev for i, ev in seen if i in HONEST and ev.get("event") == "synced" and ev["group_size"] == 4]
