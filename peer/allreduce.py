@@ -450,8 +450,8 @@ class Averager:
                         stopping: bool = False) -> AllReduceOutcome:
         """Average ``vector`` (numel,) with the group's other members; see the module docstring.
         Never waits more than ``2.5 * group.deadline_s`` (plus the local encode/decode), and
-        that long only when a member that took part never reports. ``stopping``: we pause or
-        finish, so we started before our landing step (``PushSlice.stopping``)."""
+        that long only when a member that took part never reports. ``stopping``: we pause, stop
+        or catch up by a download, so we started before our landing step (``PushSlice.stopping``)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         started = time.perf_counter()

@@ -96,7 +96,7 @@ class CatchUpMixin:
                         "(peers %s)", len(ahead), mine, ", ".join(peer_id_from_public_key(k) for k in ahead))
         if choice is not None:
             log.info("peers are ahead of round %d; downloading their state", mine)
-            self._download(swarm, choice[1], peers, fast_forward=True, min_donors=need)
+            self._download(swarm, choice[1], fast_forward=True, min_donors=need)
             return
         if joining and not ahead:
             self._caught_up = True  # nobody is ahead of us: we start in step with the swarm
@@ -128,14 +128,14 @@ class CatchUpMixin:
         # need the next repair. One voucher (two peers that each averaged alone) is enough here
         # only because the state must then be near ours (globalstate.check_distance): a liar
         # cannot move us far
-        if self._download(swarm, sorted(differ), peers, fast_forward=False, min_donors=1,
+        if self._download(swarm, sorted(differ), fast_forward=False, min_donors=1,
                           at_rounds=tuple(self.stats.rounds)):
             return
         if self._repair_tries < REPAIR_TRIES:
             return  # they serve other rounds than ours at this moment: at the next check
         # out of step with them for that long: take their next landing, start before their next sync
         self._repair_due, self._repair_tries = False, 0
-        self._download(swarm, sorted(differ), peers, fast_forward=True, min_donors=1)
+        self._download(swarm, sorted(differ), fast_forward=True, min_donors=1)
 
     def _served_ahead(self, swarm, keys: list[bytes], at_least: int) -> dict[bytes, bytes]:
         """Of the peers ``keys``, those that serve a state at round ``at_least`` or later now:
@@ -189,7 +189,7 @@ class CatchUpMixin:
             if self.stop_event.wait(0.25):
                 raise StateSyncError("stopped")
 
-    def _download(self, swarm, vouchers: list[bytes], peers: dict, *, fast_forward: bool,
+    def _download(self, swarm, vouchers: list[bytes], *, fast_forward: bool,
                   min_donors: int = 2, at_rounds: tuple[int, ...] | None = None, want: bytes | None = None,
                   until: float | None = None) -> bool:
         """Download the global state that the most of ``vouchers`` serve now and load it. To catch
@@ -390,7 +390,7 @@ class CatchUpMixin:
                 log.warning("our final copy differs from the one %d of %d peers finished at rounds %s hold; "
                             "downloading theirs", len(holders), len(done) + 1, list(mine))
                 tries += 1
-                if self._download(swarm, holders, peers, fast_forward=False, min_donors=1, at_rounds=mine,
+                if self._download(swarm, holders, fast_forward=False, min_donors=1, at_rounds=mine,
                                   want=best, until=limit):
                     taken = len(holders)
                     continue  # show it at once: the others wait for us to

@@ -94,7 +94,7 @@ class Finisher(CatchUpMixin):
     def _beat(self, swarm):
         pass
 
-    def _download(self, swarm, holders, peers, *, want, **kw):
+    def _download(self, swarm, holders, *, want, **kw):
         self.asked.append(want)
         if want in self.serves:
             self.state_digest = want
