@@ -5,6 +5,7 @@
 - ``syncs``: one fragment sync: its group and all-reduce, then its landing;
 - ``worker_state``: the model on its device: build, release, checkpoint, evaluate;
 - ``catchup``: agreement, repair and state download;
+- ``settle``: the run's end: the finishers end on one final copy;
 - ``peers``: heartbeats, the live peers view, reconnecting, relays;
 - ``volunteer``: status, events and commands of the control socket;
 - ``config``: configuration, counters, the identity lock;

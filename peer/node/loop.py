@@ -50,6 +50,7 @@ from peer.node.config import (
     lock_identity,
 )
 from peer.node.peers import PeersMixin
+from peer.node.settle import SettleMixin
 from peer.node.syncs import SyncMixin
 from peer.node.volunteer import VolunteerMixin, _LogToControl
 from peer.node.worker_state import WorkerStateMixin
@@ -75,7 +76,7 @@ from protocol.settings import Settings
 log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
 
 
-class Node(VolunteerMixin, PeersMixin, CatchUpMixin, SyncMixin, WorkerStateMixin):
+class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, WorkerStateMixin):
     def __init__(self, cfg: NodeConfig, *, manifest_bytes: bytes | None = None, run_id: bytes | None = None,
                  on_event: Callable[[dict], None] | None = None):
         if manifest_bytes is None and run_id is None:

@@ -1,5 +1,5 @@
 """Who a node finishing a run waits for before it compares final copies and goes
-(``CatchUpMixin._on_way_to``, used by ``_settle_final``)."""
+(``SettleMixin._on_way_to``, used by ``_settle_final``)."""
 
 import threading
 from types import SimpleNamespace
@@ -7,7 +7,8 @@ from unittest.mock import patch
 
 import pytest
 
-from peer.node.catchup import CatchUpMixin, download_s, final_vote, settle_limits
+from peer.node.catchup import download_s
+from peer.node.settle import SettleMixin, final_vote, settle_limits
 
 MINE = (5, 5)
 
@@ -32,7 +33,7 @@ def hb(state: str, rounds: tuple[int, ...]) -> SimpleNamespace:
     ("finishing", (1, 1), False, True),  # ... also one whose last round is landing, which beats nothing meanwhile
 ])
 def test_who_a_finishing_node_waits_for(state, rounds, heard, waits):
-    assert CatchUpMixin._on_way_to(MINE, hb(state, rounds), heard=heard) is waits
+    assert SettleMixin._on_way_to(MINE, hb(state, rounds), heard=heard) is waits
 
 
 A, B, C, D, E, L = (bytes([k]) * 32 for k in (2, 3, 4, 5, 6, 1))  # L: the smallest key
@@ -73,7 +74,7 @@ def test_the_settle_deadline_leaves_a_partner_its_longest_last_round():
     assert limit == deadline + download_s(swarm)  # one download, ours or from us, at most
 
 
-class Finisher(CatchUpMixin):
+class Finisher(SettleMixin):
     """Just what ``_settle_copy`` uses of a node: the heartbeats it reads are ``views`` (one per
     read, the last repeated), and a download succeeds when ``serves`` has the wanted copy."""
 
@@ -113,6 +114,6 @@ def test_a_liar_whose_made_up_copy_wins_a_tie_is_left_out_and_the_honest_finishe
     swarm = SimpleNamespace(allreduce_timeout_s=20.0, heartbeat_interval_s=3.0, heartbeat_ttl_s=10.0,
                             state_chunk_timeout_s=5.0)
     node = Finisher(B, b"Y", [{A: finished(b"X", 1), L: finished(b"Z", 1)}], serves={b"X"})
-    with patch("peer.node.catchup.SETTLE_POLL_S", 0.0):
+    with patch("peer.node.settle.SETTLE_POLL_S", 0.0):
         node._settle_copy(swarm)
     assert node.asked == [b"Z", b"Z", b"X"] and node.state_digest == b"X"
