@@ -72,8 +72,9 @@ class SyncPipeline:
     ``due(step, ready, max_late)`` hands back those whose landing step has come (and, with
     ``ready``, whose result is there, or whose fragment starts again now, or that are
     ``max_late`` steps overdue); ``take_forming()`` hands back
-    the groups forming, for a pause to start them early; ``leave_forming(r)`` those for rounds
-    from r on, for a finish to leave; ``drain()`` hands back all in flight (pause, finish);
+    the groups forming, for a pause to start them early; ``stop_before(r)`` says the node stops
+    after round r - 1 (a finish, ``max_rounds``): no round from r on joins or starts from then
+    on, and the groups forming for them are handed back to leave; ``drain()`` hands back all in flight (pause, finish);
     ``abandon()`` everything, for a node leaving without landing; ``rebase()`` after a state
     download, which is only allowed with nothing in flight, since the download replaces what
     a landing would apply to (a fast-forward also hands back the groups forming).
@@ -85,6 +86,7 @@ class SyncPipeline:
         self._forming: dict[int, Forming] = {}
         self._started: dict[int, int] = {}  # fragment -> the latest round started (never started twice)
         self.closed = False  # finished or left: nothing starts any more
+        self.last_round: int | None = None  # stop_before's: no round from this on joins or starts
 
     def __len__(self) -> int:
         return len(self._flight)
@@ -101,12 +103,11 @@ class SyncPipeline:
     def in_flight(self) -> list[InFlight]:
         return sorted(self._flight.values(), key=lambda s: (s.started_after, s.fragment))
 
-    def joins(self, step: int, lead: int, before_round: int | None = None) -> list[tuple[int, int, int]]:
+    def joins(self, step: int, lead: int) -> list[tuple[int, int, int]]:
         """(fragment, round, start step) of the syncs whose group should start forming after
         inner step ``step``: those that start within ``lead`` steps. ``lead`` is capped so that
         a fragment joins its next round only after its previous one has landed; 0 joins at
-        the start step itself (no pipelining). A node that stops after a known round (finish,
-        ``max_rounds``) passes ``before_round``, and no round from it on is joined."""
+        the start step itself (no pipelining). No round from ``stop_before``'s on is joined."""
         sched = self.schedule
         lead = max(0, min(lead, sched.inner_steps - sched.overlap - 1))
         if self.closed or lead == 0:
@@ -117,7 +118,7 @@ class SyncPipeline:
                 continue
             at = sched.next_start(p, step + 1)
             r = sched.round_of(p, at)
-            if at - lead <= step and r > self._started.get(p, -1) and (before_round is None or r < before_round):
+            if at - lead <= step and r > self._started.get(p, -1) and self._before_last(r):
                 out.append((p, r, at))
         return out
 
@@ -126,22 +127,23 @@ class SyncPipeline:
             raise LocalProtocolError("the sync pipeline is closed (the node finished or left)")
         if fragment in self:
             raise LocalProtocolError(f"fragment {fragment} round {round_} forms while a round of it is under way")
+        if not self._before_last(round_):
+            raise LocalProtocolError(f"fragment {fragment} round {round_} forms past the last round ({self.last_round - 1})")
         f = Forming(fragment, round_, step, starts_after, handle)
         self._forming[fragment] = f
         return f
 
-    def starts(self, step: int, before_round: int | None = None) -> list[tuple[int, int, Forming | None]]:
+    def starts(self, step: int) -> list[tuple[int, int, Forming | None]]:
         """(fragment, round, its group forming or None) of the syncs that start after inner
-        step ``step``; a round already started (early, by a pause) is not started again. A
-        node that stops after a known round passes ``before_round``: no round from it on
-        starts, also when the last round of another fragment lands only at this step (a
-        follower, a late landing) and the loop has not stopped yet."""
+        step ``step``; a round already started (early, by a pause) is not started again. No
+        round from ``stop_before``'s on starts, also when the last round of another fragment
+        lands only at this step (a follower, a late landing) and the loop has not stopped yet."""
         if self.closed:
             return []
         out = []
         for p in self.schedule.starts_after(step):
             r = self.schedule.round_of(p, step)
-            if r <= self._started.get(p, -1) or (before_round is not None and r >= before_round):
+            if r <= self._started.get(p, -1) or not self._before_last(r):
                 continue
             f = self._forming.get(p)
             if f is not None and f.round != r:
@@ -149,14 +151,20 @@ class SyncPipeline:
             out.append((p, r, self._forming.pop(p, None)))
         return out
 
-    def leave_forming(self, from_round: int) -> list[Forming]:
-        """Finishing after round ``from_round - 1``: remove and return the groups forming for
-        a round from ``from_round`` on (the caller leaves them), so that every finishing peer
-        stops after the same round whether or not it had joined the next one yet."""
-        out = [f for f in self.forming() if f.round >= from_round]
+    def stop_before(self, round_: int) -> list[Forming]:
+        """The node stops after round ``round_ - 1`` (a finish, ``max_rounds``; the earliest such
+        round counts): from now on no round from ``round_`` on joins or starts, and the groups
+        forming for those rounds (joined before the stop was known) are removed and returned
+        for the caller to leave, so that every finishing peer stops after the same round
+        whether or not it had joined the next one yet. Rounds before it go on as they were."""
+        self.last_round = round_ if self.last_round is None else min(self.last_round, round_)
+        out = [f for f in self.forming() if not self._before_last(f.round)]
         for f in out:
             del self._forming[f.fragment]
         return out
+
+    def _before_last(self, round_: int) -> bool:
+        return self.last_round is None or round_ < self.last_round
 
     def take_forming(self) -> list[Forming]:
         """Remove and return the syncs whose group is forming: a pause or a finish starts them
@@ -174,6 +182,8 @@ class SyncPipeline:
                                      f"is still under way")
         if round_ <= self._started.get(fragment, -1):
             raise LocalProtocolError(f"fragment {fragment} round {round_} was started already")
+        if not self._before_last(round_):
+            raise LocalProtocolError(f"fragment {fragment} round {round_} starts past the last round ({self.last_round - 1})")
         sync = InFlight(fragment, round_, step, step + self.schedule.overlap, handle)
         self._flight[fragment] = sync
         self._started[fragment] = round_

@@ -264,7 +264,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
                 self.state = "finishing"
                 log.info("finishing: stopping after round %d", finish_at - 1)
             last_round = min((r for r in (finish_at, self.cfg.max_rounds) if r is not None), default=None)
-            if last_round is not None:
+            if last_round is not None and last_round != pipeline.last_round:
                 self._leave_past(pipeline, last_round)
             reason = self._pause_wanted() if finish_at is None else ""
             if reason:
@@ -284,7 +284,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             step = worker.step
             self._check_straggling(worker, pipeline)  # the others started a round we are far from
             following = self._following()  # slower than the swarm: join when the others do (peer.pace)
-            for p, r, at in pipeline.joins(step, self._lead_steps(), before_round=last_round):
+            for p, r, at in pipeline.joins(step, self._lead_steps()):
                 # the weight it will carry, capped as begin_sync caps it (more than H steps' worth
                 # only after a round started early by a pause)
                 planned = min(worker.tokens_since_sync[p] + tokens * (at - step), train.max_sync_tokens())
@@ -333,7 +333,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
                             if time.monotonic() - last_ckpt >= self.cfg.checkpoint_every_s:
                                 last_ckpt = time.monotonic()
                                 self._save()
-                    for p, r, forming in pipeline.starts(step, last_round) if when == "before" else ():
+                    for p, r, forming in pipeline.starts(step) if when == "before" else ():
                         delta, weight = worker.begin_sync(p)
                         self._sync_started_at[p] = step
                         pipeline.start(p, r, step, self._submit_sync(p, r, delta, weight, forming))
@@ -377,12 +377,12 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
 
     @staticmethod
     def _leave_past(pipeline, last_round: int) -> None:
-        """We stop after round ``last_round - 1`` (a finish, ``max_rounds``): a group forming for
-        a later round (joined before a finish was asked for) is left now, not started early by
-        the finish, nor followed to by ``_keep_pace``; started early, a round that only some
-        finishing peers had joined would land on some copies and not on others. Its other
-        members drop us at its deadline."""
-        for f in pipeline.leave_forming(last_round):
+        """We stop after round ``last_round - 1`` (a finish, ``max_rounds``): no later round joins
+        or starts (``SyncPipeline.stop_before``), and a group forming for one (joined before a
+        finish was asked for) is left now, not started early by the finish, nor followed to by
+        ``_keep_pace``; started early, a round that only some finishing peers had joined would
+        land on some copies and not on others. Its other members drop us at its deadline."""
+        for f in pipeline.stop_before(last_round):
             f.handle[0].cancel()
             log.info("left the forming group of fragment %d round %d: we stop after round %d",
                      f.fragment, f.round, last_round - 1)

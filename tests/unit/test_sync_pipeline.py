@@ -104,12 +104,18 @@ def test_a_group_forms_ahead_and_the_sync_starts_into_it_and_a_pause_starts_it_e
 
 def test_a_finishing_node_joins_no_round_past_its_last_and_leaves_those_it_had_joined():
     pipe = SyncPipeline(SyncSchedule(inner_steps=20, fragments=2, overlap=1))
-    assert pipe.joins(6, lead=4, before_round=0) == []  # stops after round -1: joins nothing
-    assert pipe.joins(6, lead=4, before_round=1) == [(0, 0, 10)]
+    pipe.stop_before(1)
+    assert pipe.joins(6, lead=4) == [(0, 0, 10)]
     pipe.form(0, 0, 6, 10, "g0")
     pipe.form(1, 0, 6, 20, "g1")
-    assert pipe.leave_forming(1) == []  # round 0 is before the last round: kept, started at finish
-    assert [f.handle for f in pipe.leave_forming(0)] == ["g0", "g1"] and not pipe
+    assert pipe.stop_before(2) == [] and pipe.last_round == 1  # the earliest stop counts
+    assert pipe.stop_before(1) == []  # round 0 is before the last round: kept, started at finish
+    assert [f.handle for f in pipe.stop_before(0)] == ["g0", "g1"] and not pipe
+    assert pipe.joins(6, lead=4) == []  # stops after round -1: joins nothing
+    with pytest.raises(LocalProtocolError):
+        pipe.form(0, 0, 6, 10, "g0")
+    with pytest.raises(LocalProtocolError):
+        pipe.start(0, 0, 10, "s0")
 
 
 def test_a_node_whose_last_round_lands_late_starts_no_round_past_it():
@@ -118,14 +124,16 @@ def test_a_node_whose_last_round_lands_late_starts_no_round_past_it():
     is not started, so the node stops at the rounds the others stop at. (Started, it made one
     peer end a round ahead of its partner, whose final copies then could not be compared.)"""
     sched = SyncSchedule(inner_steps=20, fragments=2, overlap=1)
-    pipe = SyncPipeline(sched)
-    assert pipe.starts(10, before_round=1) == [(0, 0, None)]
-    pipe.start(0, 0, 10, "f0")
-    assert [s.handle for s in pipe.due(11)] == ["f0"]
-    assert pipe.starts(20, before_round=1) == [(1, 0, None)]
-    pipe.start(1, 0, 20, "f1")
-    assert pipe.due(30, ready=lambda s: True, max_late=None)  # lands at fragment 0's next start
-    assert pipe.starts(30, before_round=1) == [] and pipe.starts(30) == [(0, 1, None)]
+    pipe, free = SyncPipeline(sched), SyncPipeline(sched)
+    pipe.stop_before(1)
+    for p in (pipe, free):
+        assert p.starts(10) == [(0, 0, None)]
+        p.start(0, 0, 10, "f0")
+        assert [s.handle for s in p.due(11)] == ["f0"]
+        assert p.starts(20) == [(1, 0, None)]
+        p.start(1, 0, 20, "f1")
+        assert p.due(30, ready=lambda s: True, max_late=None)  # lands at fragment 0's next start
+    assert pipe.starts(30) == [] and free.starts(30) == [(0, 1, None)]
 
 
 def test_a_fast_forward_download_returns_the_forming_groups_and_a_repair_keeps_them():
@@ -151,6 +159,7 @@ class Pipeline(RuleBasedStateMachine):
         self.rounds_started: set[tuple[int, int]] = set()
         self.ended: dict[int, str] = {}  # id -> how it ended: landed, drained, abandoned
         self.next_id = 0
+        self.last: int | None = None  # the earliest stop_before: no round from it on starts or forms
 
     @initialize(H=st.integers(2, 12), P=st.integers(1, 4), tau=st.integers(0, 5), first=st.integers(0, 30))
     def make(self, H, P, tau, first):
@@ -167,6 +176,7 @@ class Pipeline(RuleBasedStateMachine):
 
     def _start(self, p: int, r: int) -> None:
         assert (p, r) not in self.rounds_started, f"fragment {p} round {r} started twice"
+        assert self.last is None or r < self.last
         self.rounds_started.add((p, r))
         self.pipe.start(p, r, self.step, self.next_id)
         self.started[self.next_id] = (p, r, self.step + self.schedule.overlap)
@@ -200,6 +210,7 @@ class Pipeline(RuleBasedStateMachine):
                     self._start(p, r)
         for p, r, at in self.pipe.joins(self.step, lead):
             assert self.step < at <= self.step + lead and (p, r) not in self.rounds_started
+            assert self.last is None or r < self.last
             self.pipe.form(p, r, self.step, at, ("forming", p, r))
 
     @rule()
@@ -231,12 +242,20 @@ class Pipeline(RuleBasedStateMachine):
         self.rounds_started = set()  # the downloaded rounds say where each fragment is
         self.step = max(self.step, to)
 
-    @rule(stop=st.one_of(st.none(), st.integers(0, 8)))
+    @rule(stop=st.integers(0, 8))
     @precondition(lambda self: self.pipe is not None and not self.pipe.closed)
-    def finish(self, stop):
-        if stop is not None:  # finishing after a known round: later groups forming are left
-            left = self.pipe.leave_forming(stop)
-            assert all(f.round >= stop for f in left) and all(f.round < stop for f in self.pipe.forming())
+    def stop_before(self, stop):
+        """A finish or ``max_rounds`` becomes known (at any time, also mid-round): groups forming
+        for later rounds are left, and no later round forms or starts from then on."""
+        before = self.pipe.forming()
+        left = self.pipe.stop_before(stop)
+        self.last = stop if self.last is None else min(self.last, stop)
+        assert all(f.round >= self.last for f in left) and all(f.round < self.last for f in self.pipe.forming())
+        assert sorted(left + self.pipe.forming(), key=lambda f: f.fragment) == sorted(before, key=lambda f: f.fragment)
+
+    @rule()
+    @precondition(lambda self: self.pipe is not None and not self.pipe.closed)
+    def finish(self):
         self._start_forming_now()
         self._land(self.pipe.finish(), "drained")
 
