@@ -18,6 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# No per-example deadline: CI runs beside other work, and a slow example is not a failing one
+settings.register_profile("swarmstream", deadline=None)
+settings.load_profile("swarmstream")
 
 ROOT = Path(__file__).resolve().parent
 _here = {str(ROOT), "", "."}
