@@ -115,8 +115,8 @@ __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_ele
 
 log = logging.getLogger(__name__)
 
-HANDLER_PREFIX = "swarmstream-avg-v6-"  # v2: acknowledged frames (peer.outbox); v3: norms; v4: audits; v5: finals;
-# v6: PushSlice.stopping
+HANDLER_PREFIX = "swarmstream-avg-v7-"  # v2: acknowledged frames (peer.outbox); v3: norms; v4: audits; v5: finals;
+# v6: PushSlice.stopping; v7: PartsHeld.dots, and norms of the pushes as decoded
 CHUNK_ALIGN = 256  # elements: a multiple of every codec's block (int8: 256, fp4: 32)
 _HEAD_ROOM = 4096  # bytes of a frame that are not payload: envelope and message heads
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
@@ -483,7 +483,9 @@ class Averager:
             for j in range(rnd.n):
                 if j != me and rnd.size(j):
                     s, e = rnd.bounds[j]
-                    frames = self._frames(rnd, j, self._encode(rnd, j, vec[s:e]), group.weights[me], None)
+                    encoded = self._encode(rnd, j, vec[s:e])
+                    rnd.pushing(j, encoded)  # what its reducer will average: our report's norm and dot of it
+                    frames = self._frames(rnd, j, encoded, group.weights[me], None)
                     tasks.append(asyncio.create_task(self._deliver(rnd, j, frames, push_deadline, sent, True)))
             await self._wait(rnd, rnd.pushes_done, push_deadline)
             rnd.collecting_pushes = False
@@ -533,6 +535,8 @@ class Averager:
         # one far larger than its contributions allow (every member, from the same reports); or
         # a late reducer's part that the members which finished first landed without
         implausible = rnd.implausible()
+        inconsistent = [j for j in rnd.inconsistent() if j not in implausible]
+        implausible += inconsistent
         conformed = rnd.conform()
         fallback = tuple(j for j in range(rnd.n) if rnd.size(j) and (
             not rnd.holds(j) or j in rnd.convicted or j in implausible or j in conformed))
@@ -547,7 +551,7 @@ class Averager:
         rnd.landed = tuple(b"" if j in fallback else mine[j] for j in range(rnd.n))
         self._tell_landed(rnd, [i for i in range(rnd.n) if i != me and i not in rnd.finals and i not in rnd.gone])
         rnd.retire()
-        self.audits.after(rnd, fallback)
+        self.audits.after(rnd, fallback, suspect=inconsistent)
         if disputed:
             log.warning("members hold different means of one part parts=%s group=%s: its reducer sent "
                         "different ones", list(disputed), gid.hex())
@@ -568,7 +572,7 @@ class Averager:
         rnd.early = not rnd.heard_from_anyone()
         rnd.reported = rnd.digests()
         report = PartsHeld(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id,
-                           digests=rnd.reported, norms=rnd.norms)
+                           digests=rnd.reported, norms=tuple(rnd.norms), dots=rnd.my_dots())
         frames = [seal_parts(report, self.identity)]
         for i in range(rnd.n):
             if i != rnd.me and not rnd.dropped.get(i, "").startswith("unreachable"):

@@ -46,7 +46,7 @@ from typing import Any
 import msgpack
 import torch
 
-from protocol.butterfly import clip_scales, mean_norm_bound, slice_bounds, slice_norm
+from protocol.butterfly import clip_scales, mean_norm_bound, screen_mean, slice_bounds, slice_norm
 from protocol.audit import contribution_digest, inputs_digest
 from protocol.codecs import Codec, get_codec
 from protocol.envelope import Verified
@@ -108,7 +108,13 @@ class Round:
         self.peer_ids = [peer_id_from_public_key(k) for k in group.members]
         self.index = {p: i for i, p in enumerate(self.peer_ids)}
         self.vector = vector  # (numel,) fp32, our own values
-        self.norms = tuple(slice_norm(vector[a:b]) for a, b in self.bounds)  # of our slice of each part, reported
+        # of our slice of each part as its reducer sees it (our own raw, the others as we pushed
+        # them: ``pushing``), reported
+        self.norms = [slice_norm(vector[a:b]) for a, b in self.bounds]
+        self.pushed_out: dict[int, torch.Tensor] = {}  # part -> our push of it, decoded (what its reducer averages)
+        self.mean_errors: dict[int, float] = {}  # part -> squared error bound of its mean's encoding
+        self.dots: tuple[float, ...] = ()  # what our report said (``my_dots``)
+        self.report_dots: dict[int, tuple[float, ...]] = {}  # member -> its dots, as it reported them
         self._seen: set[tuple] = set()  # (member, kind, part, offset, payload digest) of frames taken
         self.result = torch.empty(group.numel, dtype=torch.float32)
         self.dropped: dict[int, str] = {}  # member -> reason
@@ -442,8 +448,10 @@ class Round:
 
     def _take_repair(self, j: int, f: int) -> None:
         chunks = self.repairs.pop((j, f))
+        self.mean_errors[j] = 0.0
         for offset, numel, *_, payload in chunks:  # the whole part, from one forwarder's frames
             self.result[offset:offset + numel] = self.codec.decode(payload, numel)
+            self.mean_errors[j] += self.codec.error_bound(payload, numel) ** 2
         self.contributors[j] = tuple(chunks[0][4])
         self.mean_chunks[j] = [(c[0], c[1], c[3]) for c in chunks]
         self.frames[j] = [[c[2]] for c in chunks]
@@ -470,6 +478,8 @@ class Round:
         self.reports[i] = digests
         if len(msg.norms) == self.n:  # else it told us nothing about its slices: it bounds no part
             self.report_norms[i] = tuple(msg.norms)
+        if len(msg.dots) == self.n:
+            self.report_dots[i] = tuple(msg.dots)
         for j, d in enumerate(self.reports[i]):
             if d and j != i:
                 self.held_since.setdefault(j, time.monotonic())  # the event loop's clock
@@ -532,6 +542,7 @@ class Round:
         _check_disjoint([(o, n) for o, n, _ in self.mean_chunks.setdefault(j, [])], msg.offset, msg.numel)
         decoded = self.codec.decode(msg.payload, msg.numel)  # raises on bad bytes or non-finite values
         self.result[msg.offset:msg.offset + msg.numel] = decoded
+        self.mean_errors[j] = self.mean_errors.get(j, 0.0) + self.codec.error_bound(msg.payload, msg.numel) ** 2
         self.mean_chunks[j].append((msg.offset, msg.numel, payload_digest))
         self.frames.setdefault(j, []).append([bytes(data)])
         self.got[j] += msg.numel
@@ -559,6 +570,55 @@ class Round:
                 out.append(j)
         return out
 
+    def pushing(self, j: int, encoded: list[tuple[int, int, bytes]]) -> None:
+        """Our push of part j, encoded in chunks [(start, end, bytes)]: what its reducer will
+        average, decoded, for our report's norm and dot of it."""
+        s, e = self.bounds[j]
+        out = torch.empty(e - s, dtype=torch.float32)
+        for a, b, payload in encoded:
+            out[a - s:b - s] = self.codec.decode(payload, b - a)
+        self.pushed_out[j] = out
+        self.norms[j] = slice_norm(out)
+
+    def my_dots(self) -> tuple[float, ...]:
+        """Our report's dots (``PartsHeld.dots``): for each part we hold and contributed to,
+        ``<its mean, our push of it>`` in float64; 0.0 where we cannot say."""
+        out = []
+        for j in range(self.n):
+            s, e = self.bounds[j]
+            mine = self.pushed_out.get(j)
+            known = (j != self.me and mine is not None and self.holds(j) and self.me in self.contributors[j])
+            out.append(float(torch.dot(self.result[s:e].double(), mine.double())) if known else 0.0)
+        self.dots = tuple(out)
+        return self.dots
+
+    def inconsistent(self) -> list[int]:
+        """Parts we hold whose mean its contributions cannot give, by the members' reported
+        norms and dots (``protocol.butterfly.mean_consistent``): negated, another vector, or
+        scaled up beyond what the reducer's own slice allows. Every member that holds the same
+        frames and reports decides alike and falls back on the part; the part is audited
+        (``peer.audit``), which proves a wrong mean against its reducer. One member's false
+        report (a dot, a norm) cannot make an honest part fail: the screen refuses a mean only
+        if it fits no world with one liar (``screen_mean``). It proves nothing, and bans nobody."""
+        norms = {**self.report_norms, self.me: tuple(self.norms)}
+        dots = {**self.report_dots, self.me: self.dots}
+        out = []
+        for j in range(self.n):
+            if not self.holds(j) or j in self.convicted:
+                continue
+            others = [i for i in self.contributors[j] if i != j]
+            if any(i not in norms for i in others):
+                continue  # a contributor that did not report: nothing bounds its dot
+            said = {i: dots[i][j] if len(dots.get(i, ())) == self.n and dots[i][j] != 0.0 else None for i in others}
+            s, e = self.bounds[j]
+            own = norms[j][j] if j in norms else None  # the reducer's own slice, as it reported it
+            if not screen_mean(slice_norm(self.result[s:e]), math.sqrt(self.mean_errors.get(j, math.inf)), self.clip,
+                               self.group.weights[j], own, [(self.group.weights[i], norms[i][j], said[i]) for i in others]):
+                log.warning("reduced part its contributions cannot give (by their reported dots) part=%d reducer=%s "
+                            "group=%s: falling back on it", j, self.peer_ids[j], self.group.group_id.hex())
+                out.append(j)
+        return out
+
     # --- the reduction ------------------------------------------------------------------
 
     def retire(self) -> None:
@@ -566,6 +626,7 @@ class Round:
         and an audit of our part (its inputs)."""
         self.repairs.clear()
         self.pushes.clear()
+        self.pushed_out.clear()
         if not self.own_chunks:
             self.push_frames.clear()
         self.vector = self.vector[:0]
@@ -622,8 +683,10 @@ class Round:
     def reduced(self, contrib: tuple[int, ...], encoded: list[tuple[int, int, bytes]], frames: list[Frame]) -> None:
         """Our own part, encoded and sealed: held like any other part (and forwarded alike)."""
         me = self.me
+        self.mean_errors[me] = 0.0
         for a, b, payload in encoded:  # the mean exactly as the others decode it
             self.result[a:b] = self.codec.decode(payload, b - a)
+            self.mean_errors[me] += self.codec.error_bound(payload, b - a) ** 2
         self.contributors[me] = contrib
         self.mean_chunks[me] = [(a, b - a, digest(payload)) for a, b, payload in encoded]
         self.frames[me] = frames

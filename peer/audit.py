@@ -106,12 +106,14 @@ class Audits:
 
     # --- auditing others ------------------------------------------------------------------
 
-    def after(self, rnd: Round, fallback: tuple[int, ...]) -> None:
-        """The round is over: audit each part we hold from another reducer with probability ``rate``."""
+    def after(self, rnd: Round, fallback: tuple[int, ...], suspect: list[int] = ()) -> None:
+        """The round is over: audit each part we hold from another reducer with probability
+        ``rate``, and every ``suspect`` one (its mean did not fit its contributors' reports, so
+        we fell back on it; an audit proves the lie against its reducer), whatever the rate."""
         for j in range(rnd.n):
-            if j == rnd.me or not rnd.size(j) or not rnd.holds(j) or j in fallback or j in rnd.convicted:
+            if j == rnd.me or not rnd.size(j) or not rnd.holds(j) or j in rnd.convicted:
                 continue
-            if self.rate <= 0 or self._random.random() >= self.rate:
+            if j not in suspect and (j in fallback or self.rate <= 0 or self._random.random() >= self.rate):
                 continue
             task = asyncio.create_task(self._audit(rnd, j))
             self.averager._side_tasks.add(task)

@@ -76,6 +76,24 @@ class SimulationResult:
         return asdict(self)
 
 
+def reduce_part(vectors: list[torch.Tensor], shares: list[float], j: int, codec: Codec,
+                clip: float = 0.0) -> tuple[bytes, list[torch.Tensor], list[bytes]]:
+    """Reducer j's part of a butterfly all-reduce, as ``peer.allreduce_round.Round.reduce``
+    computes it (``shares``: weight / total weight). -> (its encoded mean, each member's slice
+    as the reducer averaged it (its own raw, the others decoded), the others' pushes (b"" for j))."""
+    s, e = slice_bounds(vectors[0].numel(), len(vectors))[j]
+    data = [b"" if i == j else codec.encode(v[s:e]) for i, v in enumerate(vectors)]
+    slices = [v[s:e] if i == j else codec.decode(data[i], e - s) for i, v in enumerate(vectors)]
+    scales = clip_scales([slice_norm(x) for x in slices], clip)
+    acc = torch.zeros(e - s, dtype=torch.float32)  # reducer j's fp32 accumulator
+    for i in range(len(vectors)):
+        if i == j:
+            acc.add_(vectors[i][s:e], alpha=shares[i] * scales[i])
+        else:
+            codec.decode_add_(acc, data[i], shares[i] * scales[i])
+    return codec.encode(acc), slices, data
+
+
 def allreduce(vectors: list[torch.Tensor], weights: list[float], codec: Codec,
               clip: float = 0.0) -> tuple[torch.Tensor, list[int]]:
     """Weighted mean of ``vectors`` by a butterfly all-reduce through ``codec``, each reducer
@@ -93,18 +111,9 @@ def allreduce(vectors: list[torch.Tensor], weights: list[float], codec: Codec,
     result = torch.empty(numel, dtype=torch.float32)
     sent = [0] * n
     for j, (s, e) in enumerate(slice_bounds(numel, n)):
-        data = {i: codec.encode(vectors[i][s:e]) for i in range(n) if i != j}
-        for i, d in data.items():
+        out, _, data = reduce_part(vectors, w, j, codec, clip)
+        for i, d in enumerate(data):
             sent[i] += len(d)
-        norms = [slice_norm(vectors[i][s:e] if i == j else codec.decode(data[i], e - s)) for i in range(n)]
-        scales = clip_scales(norms, clip)
-        acc = torch.zeros(e - s, dtype=torch.float32)  # reducer j's fp32 accumulator
-        for i in range(n):
-            if i == j:
-                acc.add_(vectors[i][s:e], alpha=w[i] * scales[i])
-            else:
-                codec.decode_add_(acc, data[i], w[i] * scales[i])
-        out = codec.encode(acc)
         sent[j] += len(out) * (n - 1)
         result[s:e] = codec.decode(out, e - s)
     return result, sent

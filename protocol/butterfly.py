@@ -19,6 +19,7 @@ scaled (``bench/quality.py`` measures it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -69,6 +70,78 @@ def mean_norm_bound(others: Sequence[float], clip: float) -> float | None:
     if not clip or not others:
         return None
     return MEAN_SLACK * max(1.0, clip) * max(others)
+
+
+def median_range(known: Sequence[float], unknown: int = 1) -> tuple[float, float]:
+    """The lower median of the norms of a part's contributions (``clip_scales``'s), when we
+    know ``known`` of them and ``unknown`` more may be anything: (lowest, highest) it can be
+    (0 and inf when the unknown ones can decide it alone)."""
+    o = sorted(known)
+    t = (len(o) + unknown - 1) // 2  # the lower median's index among all the norms
+    return (o[t - unknown] if t >= unknown else 0.0), (o[t] if t < len(o) else math.inf)
+
+
+def mean_consistent(norm: float, error: float, reducer_share: float, reducer_norm: float,
+                    terms: Sequence[tuple[float, float, float | None, float]]) -> bool:
+    """Whether a reduced part ``m`` (decoded; ``norm`` = ||m||, ``error`` its encoding's
+    ``Codec.error_bound``) can be its reducer's clipped weighted mean of its contributions.
+    The mean is ``sum_i share_i s_i x_i`` (``share_i`` = weight_i / the contributors' total
+    weight, ``s_i`` the clip scale in [lowest_i, 1]), so
+
+        ||m||^2 - sum_{i != reducer} share_i s_i <m, x_i>  =  <m, m - mean>  +  share_r s_r <m, x_r>,
+
+    whose size is at most ``norm * (error + reducer_share * reducer_norm)``, where
+    ``reducer_norm`` bounds the reducer's own clipped slice (``clip`` x the highest lower median:
+    its slice is its word, up to that). Each other contributor reported ``<m, x_i>`` (``terms``:
+    (share, lowest scale, dot or None when it did not say, its norm: ``|dot| <= norm x its
+    norm``)). False when no scales in their ranges make the two sides meet: a mean its
+    inputs cannot give (negated, another vector, scaled up), caught inside the round from one
+    number per member. A reducer's own slice stays its word, as for any contributor."""
+    if not math.isfinite(error) or not math.isfinite(reducer_norm):
+        return True
+    lo = hi = norm * norm
+    scale = norm * (norm + reducer_share * reducer_norm)
+    for share, lowest, dot, its_norm in terms:
+        if dot is None:
+            span = share * norm * its_norm
+            lo, hi = lo - span, hi + span
+        else:
+            a, b = sorted((lowest * dot, dot))
+            lo, hi = lo - share * b, hi - share * a
+        scale += share * norm * its_norm
+    allowed = norm * (error + reducer_share * reducer_norm) * (1 + 1e-5) + 1e-5 * scale  # fp32 sums' rounding
+    return lo <= allowed and hi >= -allowed
+
+
+def screen_mean(norm: float, error: float, clip: float, reducer_weight: float, reducer_norm: float | None,
+                others: Sequence[tuple[float, float, float | None]]) -> bool:
+    """``mean_consistent`` for a part whose reducer has weight ``reducer_weight`` (and reported
+    ``reducer_norm`` for its own slice, or None) and whose other contributors reported
+    ``others``: (weight, norm of its push as decoded, its dot with the mean or None). False
+    only if the mean fits in no world with one liar: neither with the reducer lying (every
+    other report true; its own slice anything up to the clip) nor with any one other
+    contributor lying (the reducer honest, that contributor's norm and dot anything up to the
+    clip). So one lying member cannot make an honest mean fail, whatever it reports. True
+    (nothing to say) for a plain mean (``clip`` 0: a slice may be anything) or a group too
+    small for the clip to bound a liar."""
+    if not clip or not others:
+        return True
+    total = reducer_weight + math.fsum(w for w, _, _ in others)
+
+    def fits(liar: int | None) -> bool:
+        known = [n for i, (_, n, _) in enumerate(others) if i != liar]
+        honest_reducer = liar is not None and reducer_norm is not None
+        low, high = median_range(known + [reducer_norm] if honest_reducer else known,
+                                 1 if honest_reducer or liar is None else 2)
+        if not math.isfinite(high):
+            return True  # the liar's own norm may set the clip: nothing bounds it
+        cap = clip * high  # no contribution's clipped norm exceeds it
+        terms = [(w / total, 0.0, None, cap) if i == liar else
+                 (w / total, 1.0 if n <= clip * low else clip * low / n, dot, n) for i, (w, n, dot) in enumerate(others)]
+        own = min(reducer_norm, cap) if honest_reducer else cap
+        return mean_consistent(norm, error, reducer_weight / total, own, terms)
+
+    return fits(None) or any(fits(i) for i in range(len(others)))
 
 
 def clip_scales(norms: Sequence[float], clip: float) -> list[float]:

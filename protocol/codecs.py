@@ -19,6 +19,7 @@ cannot be sent (NaN or inf, a non-float tensor).
 from __future__ import annotations
 
 import abc
+import math
 import sys
 
 import torch
@@ -71,6 +72,11 @@ def _fp4_encode_lut() -> torch.Tensor:
 _FP4_ENC_LUT = _fp4_encode_lut()  # (97,) uint8
 _FP4_VALUES = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
 # (256, 2) float32: byte b -> (value of low nibble, value of high nibble), decodes a pair.
+# (16,) float64: code -> the largest |input / scale - value| that rounds to that code: half
+# the larger E2M1 gap beside it (the top code 6 takes 5..6, and up to 6 (1 + 2^-8) when the
+# bf16 scale rounded absmax / 6 down, which saturates).
+_FP4_HALF_GAPS = torch.tensor((0.25, 0.25, 0.25, 0.25, 0.5, 0.5, 1.0, 1.0) * 2, dtype=torch.float64)
+_TINY_ERROR = 1e-35  # per element: the error of scales in the subnormal range (|x| < 1e-36)
 _FP4_DEC_PAIRS = torch.stack([_FP4_VALUES[torch.arange(256) & 15], _FP4_VALUES[torch.arange(256) >> 4]], 1)
 
 
@@ -223,6 +229,14 @@ class Codec(abc.ABC):
     def _decode_add_cpu(self, acc: torch.Tensor, data: Buffer, w: float) -> torch.Tensor:
         return acc.add_(self.decode(data, acc.numel()), alpha=w)
 
+    @abc.abstractmethod
+    def error_bound(self, data: Buffer, numel: int) -> float:
+        """An upper bound on the L2 distance between ``decode(data, numel)`` and any input whose
+        encoding is ``data``: how far the sender's values may lie from what we decoded,
+        known from the bytes alone (``protocol.butterfly.mean_consistent`` allows for it).
+        inf when a value saturated (the input may have been anything beyond the range).
+        Invalid bytes raise RemoteProtocolError, as ``decode`` does."""
+
 
 
 class _RawCodec(Codec):
@@ -256,6 +270,18 @@ class _RawCodec(Codec):
             raise RemoteProtocolError(f"{self.name} payload holds NaN or inf")
         return y if self.dtype == torch.float32 else y.float()  # fp32: the copy in _read is ours
 
+    rel_error = 0.0  # of one element, relative to its decoded magnitude (with room: see error_bound)
+    abs_error = 0.0  # and absolute (subnormals)
+
+    def error_bound(self, data: Buffer, numel: int) -> float:
+        if not self.rel_error and not self.abs_error:
+            self.decode(data, numel)  # checked all the same
+            return 0.0
+        v = self.decode(data, numel).double().abs_()
+        if numel and float(v.max()) >= self.max_value:
+            return math.inf
+        return float(torch.linalg.vector_norm(v.mul_(self.rel_error).add_(self.abs_error)))
+
 
 class Fp32Codec(_RawCodec):
     name, dtype, max_value = "fp32", torch.float32, _F32_MAX
@@ -263,10 +289,12 @@ class Fp32Codec(_RawCodec):
 
 class Fp16Codec(_RawCodec):
     name, dtype, max_value = "fp16", torch.float16, _FP16_MAX
+    rel_error, abs_error = 2.0**-10, 2.0**-24  # 2x the rounding's 2^-11 and subnormals' 2^-25
 
 
 class Bf16Codec(_RawCodec):
     name, dtype, max_value = "bf16", torch.bfloat16, _BF16_MAX
+    rel_error, abs_error = 2.0**-7, 1e-37  # 2x the rounding's 2^-8; subnormals (fp32's range)
 
 
 
@@ -313,6 +341,15 @@ class Int8Codec(Codec):
         if numel and int(q.min()) < -127:
             raise RemoteProtocolError("int8 payload holds -128, outside [-127, 127]")
         return scales, q
+
+    def error_bound(self, data: Buffer, numel: int) -> float:
+        """Half a scale per element (round to nearest; absmax / scale <= 127 (1 + 2^-23))."""
+        scales, q = self._parse(data, numel)
+        counts = torch.full((scales.numel(),), float(INT8_BLOCK), dtype=torch.float64)
+        if numel % INT8_BLOCK:
+            counts[-1] = numel % INT8_BLOCK
+        per = scales.double() * 0.5 + _TINY_ERROR
+        return math.sqrt(float((counts * per * per).sum()))
 
     def decode(self, data: Buffer, numel: int) -> torch.Tensor:
         scales, q = self._parse(data, numel)
@@ -401,6 +438,15 @@ class Fp4Codec(Codec):
             pairs = val_ws[: 2 * byts.numel()].view(-1, 2)  # byte -> (low, high) value
             torch.index_select(_FP4_DEC_PAIRS, 0, idx_ws[: byts.numel()].copy_(byts), out=pairs)
             yield e0, b0, rows, cols, pairs.view(-1)[:cnt].view(rows, cols)
+
+    def error_bound(self, data: Buffer, numel: int) -> float:
+        """Per element, half the E2M1 gap beside its code, times its block's scale."""
+        scales, packed = self._parse(data, numel)
+        codes = torch.stack([packed & 15, packed >> 4], 1).view(-1)[:numel].long()
+        per = _FP4_HALF_GAPS[codes]
+        blocks = torch.arange(numel) // FP4_BLOCK
+        per.mul_(scales.double()[blocks]).add_(_TINY_ERROR)
+        return float(torch.linalg.vector_norm(per))
 
     def decode(self, data: Buffer, numel: int) -> torch.Tensor:
         scales, packed = self._parse(data, numel)

@@ -246,6 +246,11 @@ class PartsHeld(Message):
     reducer), or empty. With the others' reports it bounds how large a reduced part can be
     (``protocol.butterfly.mean_norm_bound``): a reducer returning a far larger mean is not
     believed."""
+    dots: Annotated[tuple[float, ...], Seq(Float(-1.7e308, 1.7e308), max_len=MAX_GROUP_SIZE)] = ()
+    """For each part j this member holds and contributed to: ``<mean of part j, its own slice
+    of j as the reducer decoded it>`` (0.0: not known, for a part it lacked when it reported, or
+    one it did not contribute to), or empty. With the others' reports it shows a mean that its
+    contributions cannot give (``protocol.butterfly.mean_consistent``), within the round."""
     final: Annotated[bool, Bool()] = False
     """True: this member has finished the round, and ``digests`` are the parts it landed (b""
     for a part it fell back on), not the ones it holds. A member still in the round weighs

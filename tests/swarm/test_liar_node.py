@@ -145,9 +145,10 @@ def test_a_node_lying_several_ways_at_once_leaves_the_honest_ones_agreeing_finit
 
 def test_a_reducer_whose_mean_does_not_follow_from_its_inputs_is_proven_and_banned_by_every_auditor(tmp_path, demos):
     """Peer 3 returns its reduced part negated to everyone, every round: a mean of plausible
-    size, which no norm bound catches, so the honest peers land it alike. With ``sync.audit``
-    = 0.5 each honest peer fetches the inputs of half the other reducers' means and recomputes
-    them: honest means pass; a peer that proves the liar's mean wrong bans it with the frames
+    size, which no norm bound catches. The screen inside the round may refuse it (every member
+    alike) and then every member audits it; else the honest peers land it alike. With
+    ``sync.audit`` = 0.5 each honest peer also fetches the inputs of half the other reducers'
+    means and recomputes them: honest means pass; a peer that proves the liar's mean wrong bans it with the frames
     that prove it saved in its data dir (``bans/<peer>.frames``), stops grouping with it, and
     hands the proof on to the group's other members, who check it and do the same. The honest
     peers land one result in every group they share, and their loss stays finite."""
@@ -163,10 +164,15 @@ def test_a_reducer_whose_mean_does_not_follow_from_its_inputs_is_proven_and_bann
         assert list((tmp_path / "attacked" / f"peer{i}").rglob(f"bans/{liar}.frames")), f"peer {i} kept no evidence"
     wrong = [line for text in logs for line in text.splitlines() if "signed a wrong mean" in line]
     assert wrong and all(f"reducer={liar}" in line for line in wrong), wrong  # never an honest reducer
+    # the screen inside the round refused the negated mean before it landed (a group of 4
+    # with the liar in it), and never an honest one
+    screened = [line for text in logs for line in text.splitlines() if "contributions cannot give" in line]
+    assert screened and all(f"reducer={liar}" in line for line in screened), screened
     _agreed(seen, honest)
     attacked = [demo.summaries[i]["heldout_loss"] for i in honest]
     assert all(math.isfinite(h) and h > 0 for h in attacked), attacked
-    print(f"held-out loss after 6 rounds beside a negating reducer: {sum(attacked) / 3:.4f}")
+    print(f"held-out loss after 6 rounds beside a negating reducer: {sum(attacked) / 3:.4f}; "
+          f"refused in the round {len(screened)} time(s)")
 
 
 def test_a_reducer_that_never_shows_its_inputs_is_suspended_by_its_auditors_then_grouped_with_again(tmp_path, demos):

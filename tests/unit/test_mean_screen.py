@@ -1,0 +1,144 @@
+"""The in-round screen of a reduced part (``protocol.butterfly.mean_consistent``): with one
+number per member (the dot of the mean with its own push), no honest mean is ever refused,
+over codecs, clips, group sizes, weights, norm spreads and correlations, also when some
+members could not say; a negated or inflated mean is refused. And the codecs' error bounds
+(``Codec.error_bound``) hold, since the screen's soundness rests on them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peer import simulation
+from peer.simulation import allreduce
+from protocol.butterfly import median_range, screen_mean, slice_bounds, slice_norm
+from protocol.codecs import get_codec
+from protocol.config import CODEC_NAMES
+
+N = 640
+
+
+@given(st.sampled_from(CODEC_NAMES), st.integers(1, 2000), st.integers(-30, 30), st.integers(0, 4),
+       st.integers(0, 10_000))
+@settings(max_examples=300, deadline=None)
+def test_a_codecs_error_bound_holds_for_any_input(name, n, exponent, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 2.0 ** exponent
+    if kind == 1:
+        x = x ** 3
+    elif kind == 2:
+        x[::7] *= 1000
+    elif kind == 3:
+        x = torch.zeros(n)
+        x[0] = 2.0 ** exponent
+    elif kind == 4:
+        x = torch.rand(n, generator=g) * 2.0 ** exponent
+    codec = get_codec(name)
+    data = codec.encode(x)
+    err = float(torch.linalg.vector_norm(codec.decode(data, n).double() - x.double()))
+    assert err <= codec.error_bound(data, n)
+
+
+def group(seed: int, k: int, rho: float, spread: float):
+    """k pseudo-gradients of N elements with pairwise correlation about ``rho``, norms up to
+    ``spread`` apart, and random weights."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(N, generator=g)
+    vecs = [(math.sqrt(rho) * common + math.sqrt(1 - rho) * torch.randn(N, generator=g))
+            * float(1 + (spread - 1) * torch.rand(1, generator=g)) for _ in range(k)]
+    weights = [float(w) for w in torch.rand(k, generator=g) + 0.1]
+    return vecs, weights
+
+
+def reduce_part(vecs, weights, j: int, codec, clip: float):
+    """Part j as its reducer j computes it: -> (payload, decoded mean, the members' slices as
+    the reducer averaged them (its own raw))."""
+    total = float(sum(weights))
+    payload, slices, _ = simulation.reduce_part(vecs, [w / total for w in weights], j, codec, clip)
+    return payload, codec.decode(payload, slices[j].numel()), slices
+
+
+def screen(mean, payload, pushes, weights, j: int, codec, clip: float, said=None, lies=None) -> bool:
+    """What every member decides from the reports (``Round.inconsistent``): members in ``said``
+    (all, by default) reported their dot; ``lies``: member -> the (weight, norm, dot) it
+    reported instead of the truth."""
+    others = [i for i in range(len(pushes)) if i != j]
+    reports = {i: (weights[i], slice_norm(pushes[i]),
+                   float(torch.dot(mean.double(), pushes[i].double())) if said is None or i in said else None)
+               for i in others}
+    reports.update(lies or {})
+    return screen_mean(slice_norm(mean), codec.error_bound(payload, mean.numel()), clip, weights[j],
+                       slice_norm(pushes[j]), [reports[i] for i in others])
+
+
+@given(st.integers(0, 10_000), st.integers(2, 6), st.sampled_from([-0.1, 0.0, 0.3, 0.9]),
+       st.sampled_from([1.0, 1.5, 1e3]), st.sampled_from(CODEC_NAMES), st.sampled_from([1.0, 2.0, 4.0]),
+       st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_no_honest_mean_is_refused(seed, k, rho, spread, codec_name, clip, some_silent):
+    vecs, weights = group(seed, k, max(rho, 0.0), spread)
+    if rho < 0:  # one member pulls against the others
+        vecs[0] = -vecs[0]
+    codec = get_codec(codec_name)
+    sim, _ = allreduce(vecs, weights, codec, clip=clip)
+    for j, (s, e) in enumerate(slice_bounds(N, k)):
+        payload, mean, pushes = reduce_part(vecs, weights, j, codec, clip)
+        assert torch.equal(mean, sim[s:e])  # the reducer's arithmetic, as the swarm's
+        said = set(range(1, k, 2)) if some_silent else None
+        assert screen(mean, payload, pushes, weights, j, codec, clip, said)
+
+
+@given(st.integers(0, 10_000), st.integers(3, 6), st.sampled_from([0.0, 0.5, 0.9]), st.sampled_from(CODEC_NAMES),
+       st.integers(0, 5), st.sampled_from([-1e6, -10.0, -1.0, 0.0, 10.0, 1e6]), st.sampled_from([0.0, 1e-3, 1.0, 1e3]))
+@settings(max_examples=300, deadline=None)
+def test_one_members_false_report_cannot_make_an_honest_mean_fail(seed, k, rho, codec_name, who, dot, norm):
+    """Whatever one member other than the reducer reports (its dot x -1e6 .. 1e6, or none; its
+    norm 0 .. x1e3), every honest part passes: the screen refuses a mean only if it fits no
+    world with one liar."""
+    vecs, weights = group(seed, k, rho, 1.5)
+    codec = get_codec(codec_name)
+    for j in range(k):
+        payload, mean, pushes = reduce_part(vecs, weights, j, codec, 2.0)
+        liar = [i for i in range(k) if i != j][who % (k - 1)]
+        true_dot = float(torch.dot(mean.double(), pushes[liar].double()))
+        said = (weights[liar], norm * slice_norm(pushes[liar]), None if dot == 0.0 else dot * abs(true_dot) + dot)
+        assert screen(mean, payload, pushes, weights, j, codec, 2.0, lies={liar: said})
+
+
+@given(st.integers(0, 10_000), st.sampled_from([4, 6]), st.sampled_from([0.3, 0.7]),
+       st.sampled_from(["fp4", "int8", "fp32"]))
+@settings(max_examples=100, deadline=None)
+def test_a_negated_or_inflated_mean_is_refused(seed, k, rho, codec_name):
+    """Members of similar norms and equal weights, clip 2 (the defaults), groups of 4 or more
+    whose pseudo-gradients agree some (``bench/screen.py`` measures a real run's): a reducer
+    that negates its mean, or scales it x3 (inside the norm bound), is refused by the dots. A
+    negated mean is also refused when the member after the reducer could not say its dot (the
+    mean was withheld from it), in groups of 6 with pseudo-gradients that agree more."""
+    vecs, _ = group(seed, k, rho, 1.1)
+    weights = [1.0] * k
+    codec = get_codec(codec_name)
+    for j, (s, e) in enumerate(slice_bounds(N, k)):
+        _, mean, pushes = reduce_part(vecs, weights, j, codec, 2.0)
+        lies = [(-1.0, None), (3.0, None)]
+        if k >= 6 and rho >= 0.7:
+            lies.append((-1.0, set(range(k)) - {(j + 1) % k}))
+        for lie, said in lies:
+            payload = codec.encode(mean * lie)
+            told = codec.decode(payload, e - s)
+            assert not screen(told, payload, pushes, weights, j, codec, 2.0, said), (lie, said)
+
+
+def test_the_lower_median_of_a_part_when_some_norms_may_be_anything():
+    assert median_range([1.0]) == (0.0, 1.0)  # two members: the reducer can be the lower median
+    assert median_range([3.0, 1.0]) == (1.0, 3.0)
+    assert median_range([4.0, 1.0, 2.0]) == (1.0, 2.0)
+    assert median_range([3.0, 1.0], unknown=2) == (0.0, 3.0)
+    assert median_range([3.0], unknown=2) == (0.0, math.inf)  # two of three unknown decide it
+    for known in ([1.0], [3.0, 1.0], [4.0, 1.0, 2.0], [5.0, 1.0, 2.0, 4.0]):  # by brute force
+        for unknown in (1, 2, 3):
+            meds = [sorted([*known, *[r] * unknown])[(len(known) + unknown - 1) // 2] for r in (0.0, 2.5, 1e9)]
+            low, high = median_range(known, unknown)
+            assert low == min(meds) and (high == max(meds) or (high == math.inf and max(meds) == 1e9))
