@@ -172,7 +172,9 @@ class AllReduceOutcome:
     over ``clip`` x the lower median of the contributions' norms (protocol.butterfly)."""
     refused: tuple[bytes, ...] = ()
     """Public keys of the reducers whose mean we refused as too large for its contributions
-    (``Round.implausible``): not proof, but every member of the group saw the same."""
+    (``Round.implausible``): not proof, but every member of the group saw the same. (A mean
+    the screen refused, ``Round.inconsistent``, is audited instead: two colluding members can
+    make an honest one fail it.)"""
     offences: tuple[tuple[bytes, str, bytes | tuple[bytes, bytes]], ...] = ()
     """Proven lies seen in this round: (signer's public key, what is wrong, the signed frame,
     or the two frames of an equivocation), one per signer (``protocol.evidence``);
@@ -535,11 +537,12 @@ class Averager:
         # one far larger than its contributions allow (every member, from the same reports); or
         # a late reducer's part that the members which finished first landed without
         implausible = rnd.implausible()
+        # refused by the screen: not theirs to give, unless two members lied in their reports,
+        # so the audit of the part (any member's, whatever the rate) is what convicts its reducer
         inconsistent = [j for j in rnd.inconsistent() if j not in implausible]
-        implausible += inconsistent
         conformed = rnd.conform()
         fallback = tuple(j for j in range(rnd.n) if rnd.size(j) and (
-            not rnd.holds(j) or j in rnd.convicted or j in implausible or j in conformed))
+            not rnd.holds(j) or j in rnd.convicted or j in implausible or j in inconsistent or j in conformed))
         for j in fallback:
             s, e = rnd.bounds[j]
             rnd.result[s:e] = vec[s:e]

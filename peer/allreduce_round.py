@@ -112,7 +112,7 @@ class Round:
         # them: ``pushing``), reported
         self.norms = [slice_norm(vector[a:b]) for a, b in self.bounds]
         self.pushed_out: dict[int, torch.Tensor] = {}  # part -> our push of it, decoded (what its reducer averages)
-        self.mean_errors: dict[int, float] = {}  # part -> squared error bound of its mean's encoding
+        self.mean_errors: dict[int, dict[int, float]] = {}  # part -> offset -> squared error bound of that chunk
         self.dots: tuple[float, ...] = ()  # what our report said (``my_dots``)
         self.report_dots: dict[int, tuple[float, ...]] = {}  # member -> its dots, as it reported them
         self._seen: set[tuple] = set()  # (member, kind, part, offset, payload digest) of frames taken
@@ -448,10 +448,10 @@ class Round:
 
     def _take_repair(self, j: int, f: int) -> None:
         chunks = self.repairs.pop((j, f))
-        self.mean_errors[j] = 0.0
+        self.mean_errors[j] = {}
         for offset, numel, *_, payload in chunks:  # the whole part, from one forwarder's frames
             self.result[offset:offset + numel] = self.codec.decode(payload, numel)
-            self.mean_errors[j] += self.codec.error_bound(payload, numel) ** 2
+            self.mean_errors[j][offset] = self.codec.error_bound(payload, numel) ** 2
         self.contributors[j] = tuple(chunks[0][4])
         self.mean_chunks[j] = [(c[0], c[1], c[3]) for c in chunks]
         self.frames[j] = [[c[2]] for c in chunks]
@@ -542,7 +542,7 @@ class Round:
         _check_disjoint([(o, n) for o, n, _ in self.mean_chunks.setdefault(j, [])], msg.offset, msg.numel)
         decoded = self.codec.decode(msg.payload, msg.numel)  # raises on bad bytes or non-finite values
         self.result[msg.offset:msg.offset + msg.numel] = decoded
-        self.mean_errors[j] = self.mean_errors.get(j, 0.0) + self.codec.error_bound(msg.payload, msg.numel) ** 2
+        self.mean_errors.setdefault(j, {})[msg.offset] = self.codec.error_bound(msg.payload, msg.numel) ** 2
         self.mean_chunks[j].append((msg.offset, msg.numel, payload_digest))
         self.frames.setdefault(j, []).append([bytes(data)])
         self.got[j] += msg.numel
@@ -597,9 +597,11 @@ class Round:
         norms and dots (``protocol.butterfly.mean_consistent``): negated, another vector, or
         scaled up beyond what the reducer's own slice allows. Every member that holds the same
         frames and reports decides alike and falls back on the part; the part is audited
-        (``peer.audit``), which proves a wrong mean against its reducer. One member's false
-        report (a dot, a norm) cannot make an honest part fail: the screen refuses a mean only
-        if it fits no world with one liar (``screen_mean``). It proves nothing, and bans nobody."""
+        (``peer.audit``), which proves a wrong mean against its reducer (and bans it). One
+        member's false report (a dot, a norm) cannot make an honest part fail: the screen
+        refuses a mean only if it fits no world with one liar (``screen_mean``). Two colluding
+        members can, so a refusal alone proves nothing: it distrusts and bans nobody (the audit
+        decides), and costs that part's update for the round."""
         norms = {**self.report_norms, self.me: tuple(self.norms)}
         dots = {**self.report_dots, self.me: self.dots}
         out = []
@@ -607,13 +609,16 @@ class Round:
             if not self.holds(j) or j in self.convicted:
                 continue
             others = [i for i in self.contributors[j] if i != j]
-            if any(i not in norms for i in others):
-                continue  # a contributor that did not report: nothing bounds its dot
+            # a contributor that did not report (or reported no norms) may be anything up to the clip
             said = {i: dots[i][j] if len(dots.get(i, ())) == self.n and dots[i][j] != 0.0 else None for i in others}
             s, e = self.bounds[j]
             own = norms[j][j] if j in norms else None  # the reducer's own slice, as it reported it
-            if not screen_mean(slice_norm(self.result[s:e]), math.sqrt(self.mean_errors.get(j, math.inf)), self.clip,
-                               self.group.weights[j], own, [(self.group.weights[i], norms[i][j], said[i]) for i in others]):
+            # summed in offset order, so every member gets the same float whatever order the chunks came in
+            error = math.sqrt(math.fsum(v for _, v in sorted(self.mean_errors[j].items()))) if j in self.mean_errors \
+                else math.inf
+            if not screen_mean(slice_norm(self.result[s:e]), error, self.clip,
+                               self.group.weights[j], own,
+                               [(self.group.weights[i], norms[i][j] if i in norms else None, said[i]) for i in others]):
                 log.warning("reduced part its contributions cannot give (by their reported dots) part=%d reducer=%s "
                             "group=%s: falling back on it", j, self.peer_ids[j], self.group.group_id.hex())
                 out.append(j)
@@ -683,10 +688,10 @@ class Round:
     def reduced(self, contrib: tuple[int, ...], encoded: list[tuple[int, int, bytes]], frames: list[Frame]) -> None:
         """Our own part, encoded and sealed: held like any other part (and forwarded alike)."""
         me = self.me
-        self.mean_errors[me] = 0.0
+        self.mean_errors[me] = {}
         for a, b, payload in encoded:  # the mean exactly as the others decode it
             self.result[a:b] = self.codec.decode(payload, b - a)
-            self.mean_errors[me] += self.codec.error_bound(payload, b - a) ** 2
+            self.mean_errors[me][a] = self.codec.error_bound(payload, b - a) ** 2
         self.contributors[me] = contrib
         self.mean_chunks[me] = [(a, b - a, digest(payload)) for a, b, payload in encoded]
         self.frames[me] = frames

@@ -114,34 +114,38 @@ def mean_consistent(norm: float, error: float, reducer_share: float, reducer_nor
 
 
 def screen_mean(norm: float, error: float, clip: float, reducer_weight: float, reducer_norm: float | None,
-                others: Sequence[tuple[float, float, float | None]]) -> bool:
+                others: Sequence[tuple[float, float | None, float | None]]) -> bool:
     """``mean_consistent`` for a part whose reducer has weight ``reducer_weight`` (and reported
     ``reducer_norm`` for its own slice, or None) and whose other contributors reported
-    ``others``: (weight, norm of its push as decoded, its dot with the mean or None). False
-    only if the mean fits in no world with one liar: neither with the reducer lying (every
-    other report true; its own slice anything up to the clip) nor with any one other
+    ``others``: (weight, norm of its push as decoded or None, its dot with the mean or None).
+    False only if the mean fits in no world with one liar: neither with the reducer lying
+    (every other report true; its own slice anything up to the clip) nor with any one other
     contributor lying (the reducer honest, that contributor's norm and dot anything up to the
-    clip). So one lying member cannot make an honest mean fail, whatever it reports. True
-    (nothing to say) for a plain mean (``clip`` 0: a slice may be anything) or a group too
-    small for the clip to bound a liar."""
-    if not clip or not others:
-        return True
+    clip). A contributor that did not report is anything up to the clip in every world. So one
+    lying member cannot make an honest mean fail, whatever it reports or withholds. True
+    (nothing to say) for a plain mean (``clip`` 0: a slice may be anything), a part with no
+    other contributor, weights that do not sum to a positive total, or a group too small for
+    the clip to bound a liar."""
     total = reducer_weight + math.fsum(w for w, _, _ in others)
+    if not clip or not others or not (total > 0 and math.isfinite(total)):
+        return True
+    silent = {i for i, (_, n, _) in enumerate(others) if n is None}
 
     def fits(liar: int | None) -> bool:
-        known = [n for i, (_, n, _) in enumerate(others) if i != liar]
+        unknown = silent | ({liar} if liar is not None else set())
+        known = [n for i, (_, n, _) in enumerate(others) if i not in unknown]
         honest_reducer = liar is not None and reducer_norm is not None
         low, high = median_range(known + [reducer_norm] if honest_reducer else known,
-                                 1 if honest_reducer or liar is None else 2)
+                                 len(unknown) + (0 if honest_reducer else 1))
         if not math.isfinite(high):
-            return True  # the liar's own norm may set the clip: nothing bounds it
+            return True  # the unknown norms may set the clip: nothing bounds them
         cap = clip * high  # no contribution's clipped norm exceeds it
-        terms = [(w / total, 0.0, None, cap) if i == liar else
+        terms = [(w / total, 0.0, None, cap) if i in unknown else
                  (w / total, 1.0 if n <= clip * low else clip * low / n, dot, n) for i, (w, n, dot) in enumerate(others)]
         own = min(reducer_norm, cap) if honest_reducer else cap
         return mean_consistent(norm, error, reducer_weight / total, own, terms)
 
-    return fits(None) or any(fits(i) for i in range(len(others)))
+    return fits(None) or any(fits(i) for i in range(len(others)) if i not in silent)
 
 
 def clip_scales(norms: Sequence[float], clip: float) -> list[float]:

@@ -442,11 +442,13 @@ class Fp4Codec(Codec):
     def error_bound(self, data: Buffer, numel: int) -> float:
         """Per element, half the E2M1 gap beside its code, times its block's scale."""
         scales, packed = self._parse(data, numel)
-        codes = torch.stack([packed & 15, packed >> 4], 1).view(-1)[:numel].long()
-        per = _FP4_HALF_GAPS[codes]
-        blocks = torch.arange(numel) // FP4_BLOCK
-        per.mul_(scales.double()[blocks]).add_(_TINY_ERROR)
-        return float(torch.linalg.vector_norm(per))
+        total = 0.0
+        for e0, b0, rows, cols in _pieces(numel, FP4_BLOCK):  # a chunk at a time: bounded scratch
+            byts = packed[e0 // 2 : e0 // 2 + _ceil_div(rows * cols, 2)]
+            codes = torch.stack([byts & 15, byts >> 4], 1).view(-1)[: rows * cols].long()
+            per = _FP4_HALF_GAPS[codes].view(rows, cols).mul_(scales.double()[b0 : b0 + rows, None]).add_(_TINY_ERROR)
+            total += float(per.square_().sum())
+        return math.sqrt(total)
 
     def decode(self, data: Buffer, numel: int) -> torch.Tensor:
         scales, packed = self._parse(data, numel)

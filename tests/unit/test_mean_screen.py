@@ -92,19 +92,21 @@ def test_no_honest_mean_is_refused(seed, k, rho, spread, codec_name, clip, some_
 
 
 @given(st.integers(0, 10_000), st.integers(3, 6), st.sampled_from([0.0, 0.5, 0.9]), st.sampled_from(CODEC_NAMES),
-       st.integers(0, 5), st.sampled_from([-1e6, -10.0, -1.0, 0.0, 10.0, 1e6]), st.sampled_from([0.0, 1e-3, 1.0, 1e3]))
+       st.integers(0, 5), st.sampled_from([-1e6, -10.0, -1.0, 0.0, 10.0, 1e6]),
+       st.sampled_from([None, 0.0, 1e-3, 1.0, 1e3]))
 @settings(max_examples=300, deadline=None)
 def test_one_members_false_report_cannot_make_an_honest_mean_fail(seed, k, rho, codec_name, who, dot, norm):
     """Whatever one member other than the reducer reports (its dot x -1e6 .. 1e6, or none; its
-    norm 0 .. x1e3), every honest part passes: the screen refuses a mean only if it fits no
-    world with one liar."""
+    norm 0 .. x1e3, or no report at all), every honest part passes: the screen refuses a mean
+    only if it fits no world with one liar."""
     vecs, weights = group(seed, k, rho, 1.5)
     codec = get_codec(codec_name)
     for j in range(k):
         payload, mean, pushes = reduce_part(vecs, weights, j, codec, 2.0)
         liar = [i for i in range(k) if i != j][who % (k - 1)]
         true_dot = float(torch.dot(mean.double(), pushes[liar].double()))
-        said = (weights[liar], norm * slice_norm(pushes[liar]), None if dot == 0.0 else dot * abs(true_dot) + dot)
+        said = (weights[liar], None if norm is None else norm * slice_norm(pushes[liar]),
+                None if dot == 0.0 or norm is None else dot * abs(true_dot) + dot)
         assert screen(mean, payload, pushes, weights, j, codec, 2.0, lies={liar: said})
 
 
@@ -129,6 +131,14 @@ def test_a_negated_or_inflated_mean_is_refused(seed, k, rho, codec_name):
             payload = codec.encode(mean * lie)
             told = codec.decode(payload, e - s)
             assert not screen(told, payload, pushes, weights, j, codec, 2.0, said), (lie, said)
+
+
+def test_weights_without_a_positive_total_and_groups_of_one_say_nothing():
+    """A leader may form a group whose members' weights are 0 (only their sum must be positive):
+    a reducer counting only such members gives no total to divide by, and is not screened."""
+    assert screen_mean(1.0, 0.0, 2.0, 0.0, 1.0, [(0.0, 1.0, 0.5)])
+    assert screen_mean(1.0, 0.0, 2.0, 1.0, 1.0, [])  # a reducer that counted only itself
+    assert screen_mean(1.0, 0.0, 0.0, 1.0, 1.0, [(1.0, 1.0, -5.0)])  # the plain mean: no clip
 
 
 def test_the_lower_median_of_a_part_when_some_norms_may_be_anything():
