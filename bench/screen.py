@@ -43,7 +43,6 @@ def screened(mean: torch.Tensor, payload: bytes, codec, clip: float, weights, j:
     if framer is not None:
         dots[framer] *= -10
     return screen_mean(slice_norm(mean), codec.error_bound(payload, mean.numel()), clip, weights[j],
-                       slice_norm(slices[j]),
                        [(weights[i], slice_norm(slices[i]), None if i == silent else dots[i]) for i in others])
 
 

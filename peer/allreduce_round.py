@@ -612,13 +612,11 @@ class Round:
             # a contributor that did not report (or reported no norms) may be anything up to the clip
             said = {i: dots[i][j] if len(dots.get(i, ())) == self.n and dots[i][j] != 0.0 else None for i in others}
             s, e = self.bounds[j]
-            own = norms[j][j] if j in norms else None  # the reducer's own slice, as it reported it
             # summed in offset order, so every member gets the same float whatever order the chunks came in
             error = math.sqrt(math.fsum(v for _, v in sorted(self.mean_errors[j].items()))) if j in self.mean_errors \
                 else math.inf
-            if not screen_mean(slice_norm(self.result[s:e]), error, self.clip,
-                               self.group.weights[j], own,
-                               [(self.group.weights[i], norms[i][j] if i in norms else None, said[i]) for i in others]):
+            said_by = [(self.group.weights[i], norms[i][j] if i in norms else None, said[i]) for i in others]
+            if not screen_mean(slice_norm(self.result[s:e]), error, self.clip, self.group.weights[j], said_by):
                 log.warning("reduced part its contributions cannot give (by their reported dots) part=%d reducer=%s "
                             "group=%s: falling back on it", j, self.peer_ids[j], self.group.group_id.hex())
                 out.append(j)

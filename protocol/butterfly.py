@@ -113,19 +113,18 @@ def mean_consistent(norm: float, error: float, reducer_share: float, reducer_nor
     return lo <= allowed and hi >= -allowed
 
 
-def screen_mean(norm: float, error: float, clip: float, reducer_weight: float, reducer_norm: float | None,
+def screen_mean(norm: float, error: float, clip: float, reducer_weight: float,
                 others: Sequence[tuple[float, float | None, float | None]]) -> bool:
-    """``mean_consistent`` for a part whose reducer has weight ``reducer_weight`` (and reported
-    ``reducer_norm`` for its own slice, or None) and whose other contributors reported
-    ``others``: (weight, norm of its push as decoded or None, its dot with the mean or None).
-    False only if the mean fits in no world with one liar: neither with the reducer lying
-    (every other report true; its own slice anything up to the clip) nor with any one other
-    contributor lying (the reducer honest, that contributor's norm and dot anything up to the
-    clip). A contributor that did not report is anything up to the clip in every world. So one
-    lying member cannot make an honest mean fail, whatever it reports or withholds. True
-    (nothing to say) for a plain mean (``clip`` 0: a slice may be anything), a part with no
-    other contributor, weights that do not sum to a positive total, or a group too small for
-    the clip to bound a liar."""
+    """``mean_consistent`` for a part whose reducer has weight ``reducer_weight`` and whose
+    other contributors reported ``others``: (weight, norm of its push as decoded or None, its
+    dot with the mean or None). False only if the mean fits in no world with one liar besides
+    the reducer: every other report true but one, whose norm and dot may be anything up to the
+    clip, as may the reducer's own slice (its report is never used, so members that got it
+    and members that did not, such as one that banned it, decide alike). A contributor that
+    did not report is anything up to the clip too. So one lying member cannot make an honest
+    mean fail, whatever it reports or withholds. True (nothing to say) for a plain mean
+    (``clip`` 0: a slice may be anything), a part with no other contributor, weights that do
+    not sum to a positive total, or a group too small for the clip to bound a liar."""
     total = reducer_weight + math.fsum(w for w, _, _ in others)
     if not clip or not others or not (total > 0 and math.isfinite(total)):
         return True
@@ -133,19 +132,16 @@ def screen_mean(norm: float, error: float, clip: float, reducer_weight: float, r
 
     def fits(liar: int | None) -> bool:
         unknown = silent | ({liar} if liar is not None else set())
-        known = [n for i, (_, n, _) in enumerate(others) if i not in unknown]
-        honest_reducer = liar is not None and reducer_norm is not None
-        low, high = median_range(known + [reducer_norm] if honest_reducer else known,
-                                 len(unknown) + (0 if honest_reducer else 1))
+        low, high = median_range([n for i, (_, n, _) in enumerate(others) if i not in unknown], len(unknown) + 1)
         if not math.isfinite(high):
             return True  # the unknown norms may set the clip: nothing bounds them
         cap = clip * high  # no contribution's clipped norm exceeds it
         terms = [(w / total, 0.0, None, cap) if i in unknown else
                  (w / total, 1.0 if n <= clip * low else clip * low / n, dot, n) for i, (w, n, dot) in enumerate(others)]
-        own = min(reducer_norm, cap) if honest_reducer else cap
-        return mean_consistent(norm, error, reducer_weight / total, own, terms)
+        return mean_consistent(norm, error, reducer_weight / total, cap, terms)
 
-    return fits(None) or any(fits(i) for i in range(len(others)) if i not in silent)
+    speaking = [i for i in range(len(others)) if i not in silent]
+    return any(fits(i) for i in speaking) if speaking else fits(None)
 
 
 def clip_scales(norms: Sequence[float], clip: float) -> list[float]:

@@ -145,8 +145,8 @@ def test_a_node_lying_several_ways_at_once_leaves_the_honest_ones_agreeing_finit
 
 def test_a_reducer_whose_mean_does_not_follow_from_its_inputs_is_proven_and_banned_by_every_auditor(tmp_path, demos):
     """Peer 3 returns its reduced part negated to everyone, every round: a mean of plausible
-    size, which no norm bound catches. The screen inside the round may refuse it (every member
-    alike) and then every member audits it; else the honest peers land it alike. With
+    size, which no norm bound catches; in a group of 4 the screen inside the round seldom
+    refuses it, so the honest peers land it alike. With
     ``sync.audit`` = 0.5 each honest peer also fetches the inputs of half the other reducers'
     means and recomputes them: honest means pass; a peer that proves the liar's mean wrong bans it with the frames
     that prove it saved in its data dir (``bans/<peer>.frames``), stops grouping with it, and
@@ -164,10 +164,10 @@ def test_a_reducer_whose_mean_does_not_follow_from_its_inputs_is_proven_and_bann
         assert list((tmp_path / "attacked" / f"peer{i}").rglob(f"bans/{liar}.frames")), f"peer {i} kept no evidence"
     wrong = [line for text in logs for line in text.splitlines() if "signed a wrong mean" in line]
     assert wrong and all(f"reducer={liar}" in line for line in wrong), wrong  # never an honest reducer
-    # the screen inside the round refused the negated mean before it landed (a group of 4
-    # with the liar in it), and never an honest one
+    # the screen inside the round never refused an honest mean (in groups of 4 it seldom
+    # catches a negated one: tests/unit/test_mean_screen.py, bench/screen.py)
     screened = [line for text in logs for line in text.splitlines() if "contributions cannot give" in line]
-    assert screened and all(f"reducer={liar}" in line for line in screened), screened
+    assert all(f"reducer={liar}" in line for line in screened), screened
     _agreed(seen, honest)
     attacked = [demo.summaries[i]["heldout_loss"] for i in honest]
     assert all(math.isfinite(h) and h > 0 for h in attacked), attacked

@@ -71,7 +71,7 @@ def screen(mean, payload, pushes, weights, j: int, codec, clip: float, said=None
                for i in others}
     reports.update(lies or {})
     return screen_mean(slice_norm(mean), codec.error_bound(payload, mean.numel()), clip, weights[j],
-                       slice_norm(pushes[j]), [reports[i] for i in others])
+                       [reports[i] for i in others])
 
 
 @given(st.integers(0, 10_000), st.integers(2, 6), st.sampled_from([-0.1, 0.0, 0.3, 0.9]),
@@ -110,15 +110,15 @@ def test_one_members_false_report_cannot_make_an_honest_mean_fail(seed, k, rho, 
         assert screen(mean, payload, pushes, weights, j, codec, 2.0, lies={liar: said})
 
 
-@given(st.integers(0, 10_000), st.sampled_from([4, 6]), st.sampled_from([0.3, 0.7]),
+@given(st.integers(0, 10_000), st.sampled_from([6, 8]), st.sampled_from([0.3, 0.7]),
        st.sampled_from(["fp4", "int8", "fp32"]))
 @settings(max_examples=100, deadline=None)
 def test_a_negated_or_inflated_mean_is_refused(seed, k, rho, codec_name):
-    """Members of similar norms and equal weights, clip 2 (the defaults), groups of 4 or more
+    """Members of similar norms and equal weights, clip 2 (the defaults), groups of 6 or more
     whose pseudo-gradients agree some (``bench/screen.py`` measures a real run's): a reducer
     that negates its mean, or scales it x3 (inside the norm bound), is refused by the dots. A
     negated mean is also refused when the member after the reducer could not say its dot (the
-    mean was withheld from it), in groups of 6 with pseudo-gradients that agree more."""
+    mean was withheld from it), when the pseudo-gradients agree more."""
     vecs, _ = group(seed, k, rho, 1.1)
     weights = [1.0] * k
     codec = get_codec(codec_name)
@@ -136,9 +136,9 @@ def test_a_negated_or_inflated_mean_is_refused(seed, k, rho, codec_name):
 def test_weights_without_a_positive_total_and_groups_of_one_say_nothing():
     """A leader may form a group whose members' weights are 0 (only their sum must be positive):
     a reducer counting only such members gives no total to divide by, and is not screened."""
-    assert screen_mean(1.0, 0.0, 2.0, 0.0, 1.0, [(0.0, 1.0, 0.5)])
-    assert screen_mean(1.0, 0.0, 2.0, 1.0, 1.0, [])  # a reducer that counted only itself
-    assert screen_mean(1.0, 0.0, 0.0, 1.0, 1.0, [(1.0, 1.0, -5.0)])  # the plain mean: no clip
+    assert screen_mean(1.0, 0.0, 2.0, 0.0, [(0.0, 1.0, 0.5)])
+    assert screen_mean(1.0, 0.0, 2.0, 1.0, [])  # a reducer that counted only itself
+    assert screen_mean(1.0, 0.0, 0.0, 1.0, [(1.0, 1.0, -5.0)])  # the plain mean: no clip
 
 
 def test_the_lower_median_of_a_part_when_some_norms_may_be_anything():
