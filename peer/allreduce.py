@@ -98,18 +98,18 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P
 
+from peer.allreduce_inbound import InboundMixin
 from peer.allreduce_round import Round
+from peer.allreduce_send import HEAD_ROOM, SendMixin, chunk_elements, chunk_spans
 from peer.audit import Audits
-from peer.inbox import HEADER_LEN, FrameTooLarge, PendingFrames, StreamEnded, StreamGate, TooManyStreams, \
-    peek_group, read_body, read_header
-from peer.outbox import ACK, MAX_UNREAD_ACKS, send_frames
+from peer.inbox import PendingFrames, StreamEnded, StreamGate
 from peer.ratelimit import RateLimiter
 from protocol.codecs import get_codec
-from protocol.envelope import seal_parts, verify
-from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.envelope import seal_parts
+from protocol.errors import LocalProtocolError
 from protocol.identity import Identity, peer_id_from_public_key
 from protocol.messages import MAX_FRAME_BYTES
-from protocol.messages_swarm import AuditRequest, Evidence, PartsHeld, PushSlice, SliceAveraged
+from protocol.messages_swarm import PartsHeld
 
 __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_elements"]
 
@@ -117,8 +117,6 @@ log = logging.getLogger(__name__)
 
 HANDLER_PREFIX = "swarmstream-avg-v7-"  # v2: acknowledged frames (peer.outbox); v3: norms; v4: audits; v5: finals;
 # v6: PushSlice.stopping; v7: PartsHeld.dots, and norms of the pushes as decoded
-CHUNK_ALIGN = 256  # elements: a multiple of every codec's block (int8: 256, fp4: 32)
-_HEAD_ROOM = 4096  # bytes of a frame that are not payload: envelope and message heads
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
 AGREE_GRACE = 1.0  # reports and forwarded parts by (1 + AGREE_GRACE) * deadline_s
 ELSEWHERE_GRACE = 0.1  # of deadline_s: a part others reported holding this long is not waited for
@@ -187,17 +185,7 @@ class AllReduceOutcome:
     started it: we reached the round that much after them (``peer.pace``)."""
 
 
-def chunk_elements(max_frame_bytes: int) -> int:
-    """Elements per message so that any codec's envelope fits in ``max_frame_bytes`` (4 bytes
-    per element is the largest codec), a multiple of ``CHUNK_ALIGN``."""
-    return (max_frame_bytes - _HEAD_ROOM) // 4 // CHUNK_ALIGN * CHUNK_ALIGN
-
-
-def _chunks(start: int, end: int, step: int) -> list[tuple[int, int]]:
-    return [(a, min(a + step, end)) for a in range(start, end, step)]
-
-
-class Averager:
+class Averager(InboundMixin, SendMixin):
     """Runs the all-reduces of one run's groups on one P2P instance (see the module docstring).
 
     ``max_frame_bytes`` bounds every frame we read or write; keep it equal across a run's
@@ -211,8 +199,8 @@ class Averager:
                  max_streams_per_peer: int = 32, pending_ttl_s: float = 120.0, read_timeout_s: float = 30.0,
                  upload: RateLimiter | None = None, download: RateLimiter | None = None,
                  clip: float = 2.0, max_weight: float = 1e18, audit: float = 0.0):
-        if not 2 * _HEAD_ROOM <= max_frame_bytes <= MAX_FRAME_BYTES:
-            raise LocalProtocolError(f"max_frame_bytes must be in [{2 * _HEAD_ROOM}, {MAX_FRAME_BYTES}], "
+        if not 2 * HEAD_ROOM <= max_frame_bytes <= MAX_FRAME_BYTES:
+            raise LocalProtocolError(f"max_frame_bytes must be in [{2 * HEAD_ROOM}, {MAX_FRAME_BYTES}], "
                                      f"got {max_frame_bytes}")
         if max_pending_groups < 0:
             raise LocalProtocolError("max_pending_groups must be >= 0")
@@ -272,180 +260,6 @@ class Averager:
         """Frames buffered for groups not started yet (bounded; see ``peer.inbox``)."""
         return self._pending
 
-    # --- inbound ------------------------------------------------------------------------
-
-    async def _handle_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer_id = info.peer_id.to_base58()
-        carried: set[tuple[bytes, type]] = set()  # (group, PushSlice or SliceAveraged) this stream carried
-        try:
-            async with self._gate.stream(peer_id):
-                while True:
-                    size = await read_header(reader, self.max_frame_bytes, self.read_timeout_s)
-                    if size is None:
-                        self._stream_ended(peer_id, carried)
-                        break
-                    async with self._gate.body(peer_id):  # one of a peer's frames being read at a time
-                        data = await read_body(reader, size, self.read_timeout_s)
-                        await self.download.take(HEADER_LEN + size)  # holds back the sender under a cap
-                        key = self._on_frame(peer_id, data)
-                        del data  # or this stream holds its last frame while it waits for the next
-                    writer.write(ACK)  # read and handled: the sender closes once all are (peer.outbox)
-                    if writer.transport.get_write_buffer_size() > MAX_UNREAD_ACKS:
-                        log.info("averaging stream closed reason=acks_not_read peer=%s", peer_id)
-                        break  # it does not read what we answer: no buffer of ours grows for it
-                    if key is not None:
-                        carried.add(key)
-        except TooManyStreams as e:
-            log.warning("averaging stream refused reason=too_many_streams peer=%s detail=%s", peer_id, e)
-        except FrameTooLarge as e:
-            self._blame(peer_id, None, f"frame_too_large:{e}")
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
-            log.info("averaging stream ended early reason=%s peer=%s", type(e).__name__, peer_id)
-        finally:
-            writer.close()
-
-    def _on_frame(self, peer_id: str, data: bytes) -> tuple[bytes, type] | None:
-        """Handle one frame; -> (group ID, message type) of a slice or part the stream's peer
-        sent for itself (what its stream's end says something about), else None."""
-        try:
-            v = verify(data, expect=(PushSlice, SliceAveraged, PartsHeld, AuditRequest, Evidence), run_id=self.run_id,
-                       max_size=self.max_frame_bytes)
-            if self.audits.take(peer_id, v, data):  # the inputs of a mean we audit, shown by its reducer
-                return None
-            forwarded = v.peer_id != peer_id
-            if forwarded and not isinstance(v.message, SliceAveraged):  # only reduced parts are forwarded
-                verify(data, run_id=self.run_id, sender=peer_id, max_size=self.max_frame_bytes)  # raises
-        except RemoteProtocolError as e:
-            self._blame(peer_id, peek_group(data), f"{type(e).__name__}:{e}")
-            return None
-        if isinstance(v.message, AuditRequest):
-            self.audits.answer(peer_id, v.message)
-            return None
-        if isinstance(v.message, Evidence):
-            self.audits.evidence(peer_id, v.message)
-            return None
-        gid = bytes(v.message.group_id)  # type: ignore[attr-defined]
-        nbytes = HEADER_LEN + len(data)
-        rnd = self._active.get(gid)
-        if forwarded:  # a part we reported lacking; unasked for outside a round, so not buffered
-            if rnd is not None:
-                rnd.accept_forwarded(peer_id, v, nbytes, data)
-                if rnd.agreeing:  # it may have completed a part others lack, or proven an equivocation
-                    self._forward(rnd, rnd.tasks)
-            return None
-        if rnd is not None:
-            rnd.accept(peer_id, v, nbytes, data)
-            if isinstance(v.message, PartsHeld) and rnd.agreeing:
-                self._forward(rnd, rnd.tasks)
-        elif gid in self._recent and isinstance(v.message, PartsHeld):
-            rnd = self._recent[gid]
-            rnd.accept(peer_id, v, nbytes, data)  # a member late to the agreement: it may lack a part
-            self._forward(rnd, self._side_tasks)
-            if not v.message.final and peer_id in rnd.index:  # and it should know what we landed
-                self._tell_landed(rnd, [rnd.index[peer_id]])
-        elif gid in self._finished:
-            log.debug("frame for a finished group dropped peer=%s group=%s", peer_id, gid.hex())
-            return None
-        elif not self._pending.add(gid, peer_id, v, nbytes, data,  # a banned member's earliness decides nothing
-                                   waits=isinstance(v.message, PushSlice) and not v.message.stopping
-                                   and peer_id not in self.banned):
-            return None  # dropped at a limit of ours: its stream's end says nothing about the sender
-        return None if isinstance(v.message, PartsHeld) else (gid, type(v.message))
-
-    def _stream_ended(self, peer_id: str, carried: set[tuple[bytes, type]]) -> None:
-        """The peer closed a stream that carried its slices or parts: any it left short stay so."""
-        for gid, kind in carried:
-            rnd = self._active.get(gid)
-            if rnd is not None:
-                rnd.stream_ended(peer_id, kind)
-            else:
-                self._pending.note(gid, peer_id, StreamEnded(kind))
-
-    def _forward(self, rnd: Round, tasks: Any) -> None:
-        """Send members that reported lacking a part we hold (or holding another mean of it)
-        its signed frames, and members that reported holding a part we proved equivocated the
-        proof (see ``peer.allreduce_round``), each part to each member once, within the
-        agreement's time."""
-        loop = asyncio.get_running_loop()
-        deadline = rnd.agree_deadline if rnd.agree_deadline > loop.time() else loop.time() + rnd.group.deadline_s
-        sends = []
-        for i, j in rnd.forward_wanted():
-            rnd.forwarded.add((i, j))
-            log.info("forwarding reduced part part=%d to=%s group=%s", j, rnd.peer_ids[i], rnd.group.group_id.hex())
-            sends.append((i, rnd.frames[j]))
-        for i, j in rnd.proof_wanted():
-            rnd.proved.add((i, j))
-            log.info("forwarding proof of equivocation part=%d to=%s group=%s", j, rnd.peer_ids[i],
-                     rnd.group.group_id.hex())
-            sends.append((i, [[frame] for frame in rnd.convicted[j]]))
-        for i, frames in sends:
-            task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))
-            if isinstance(tasks, set):
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            else:
-                tasks.append(task)
-
-    def _tell_landed(self, rnd: Round, members: list[int]) -> None:
-        """Send ``members`` our final report: the parts we landed (``Round.landed``), each once."""
-        members = [i for i in members if i not in rnd.told and i != rnd.me]
-        if not rnd.landed or not members:
-            return
-        g = rnd.group
-        final = PartsHeld(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id,
-                          digests=rnd.landed, final=True)
-        frames = [seal_parts(final, self.identity)]
-        deadline = asyncio.get_running_loop().time() + g.deadline_s
-        for i in members:
-            rnd.told.add(i)
-            task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))
-            self._side_tasks.add(task)
-            task.add_done_callback(self._side_tasks.discard)
-
-    def _blame(self, peer_id: str, gid: bytes | None, reason: str) -> None:
-        """A frame from ``peer_id`` (authenticated by libp2p) was bad: drop it from the round
-        the frame claims, or from every round it is in if the frame names none we know."""
-        log.warning("rejected slice reason=%s peer=%s", reason, peer_id)
-        if gid is not None and gid in self._active:
-            rounds = [self._active[gid]]
-        elif gid is not None and gid not in self._finished:
-            self._pending.add(gid, peer_id, reason)
-            return
-        else:
-            rounds = [r for r in self._active.values() if peer_id in r.index]
-        for r in rounds:
-            if peer_id in r.index:
-                r.drop(r.index[peer_id], reason)
-
-    # --- outbound -----------------------------------------------------------------------
-
-    async def _send_frames(self, peer_id: str, frames: list[list[Any]]) -> int:
-        """Send frames (sealed parts) to ``peer_id`` until each is acknowledged (``peer.outbox``).
-        -> bytes sent."""
-        return await send_frames(self.p2p, peer_id, self.handler_name, frames, upload=self.upload,
-                                 reconnect=self.reconnect)
-
-    def _encode(self, rnd: Round, part: int, values: torch.Tensor) -> list[tuple[int, int, bytes]]:
-        """``values`` (the elements of slice ``part``) encoded in chunks: [(start, end, bytes)]."""
-        s, e = rnd.bounds[part]
-        return [(a, b, rnd.codec.encode(values[a - s:b - s]))
-                for a, b in _chunks(s, e, chunk_elements(self.max_frame_bytes))]
-
-    def _frames(self, rnd: Round, part: int, encoded: list[tuple[int, int, bytes]], weight: float,
-                contributors: tuple[int, ...] | None, inputs: bytes = b"") -> list[list[Any]]:
-        """Sealed PushSlices (or SliceAverageds, with ``contributors``) carrying ``encoded``."""
-        g = rnd.group
-        frames = []
-        for a, b, payload in encoded:
-            common: dict[str, Any] = {
-                "run_id": g.run_id, "fragment": g.fragment, "round": g.round, "group_id": g.group_id, "part": part,
-                "offset": a, "numel": b - a, "shape": (b - a,), "dtype": "float32", "codec": g.codec,
-                "weight": weight, "payload": payload}
-            msg = (PushSlice(stopping=rnd.stopping, **common) if contributors is None
-                   else SliceAveraged(contributors=contributors, inputs=inputs, **common))
-            frames.append(seal_parts(msg, self.identity))
-        return frames
-
     # --- the all-reduce -----------------------------------------------------------------
 
     async def allreduce(self, group: Group, vector: torch.Tensor, weight: float, *,
@@ -497,7 +311,7 @@ class Averager:
 
             if rnd.size(me):
                 mean, contrib, total = rnd.reduce()
-                inputs = rnd.commit(contrib, _chunks(*rnd.bounds[me], chunk_elements(self.max_frame_bytes)))
+                inputs = rnd.commit(contrib, chunk_spans(*rnd.bounds[me], chunk_elements(self.max_frame_bytes)))
                 encoded = self._encode(rnd, me, mean)
                 frames = self._frames(rnd, me, encoded, total, contrib, inputs)
                 rnd.reduced(contrib, encoded, frames)
@@ -532,37 +346,19 @@ class Averager:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-        # a part nobody forwarded to us, nor holds: its reducer failed every member alike; a
-        # part whose reducer we proved sent different means (every member that holds the proof);
-        # one far larger than its contributions allow (every member, from the same reports); or
-        # a late reducer's part that the members which finished first landed without
-        implausible = rnd.implausible()
-        # refused by the screen: not theirs to give, unless two members lied in their reports,
-        # so the audit of the part (any member's, whatever the rate) is what convicts its reducer
-        inconsistent = [j for j in rnd.inconsistent() if j not in implausible]
-        conformed = rnd.conform()
-        fallback = tuple(j for j in range(rnd.n) if rnd.size(j) and (
-            not rnd.holds(j) or j in rnd.convicted or j in implausible or j in inconsistent or j in conformed))
-        for j in fallback:
-            s, e = rnd.bounds[j]
-            rnd.result[s:e] = vec[s:e]
-        partial = tuple(j for j, contrib in sorted(rnd.contributors.items())
-                        if rnd.holds(j) and len(contrib) < rnd.n)
-        mine = rnd.digests()
-        disputed = tuple(j for j in range(rnd.n) if j not in rnd.convicted
-                         and mine[j] and any(r[j] and r[j] != mine[j] for r in rnd.reports.values()))
-        rnd.landed = tuple(b"" if j in fallback else mine[j] for j in range(rnd.n))
+        landing = rnd.land()
+        fallback, implausible, conformed = landing.fallback, landing.implausible, landing.conformed
         self._tell_landed(rnd, [i for i in range(rnd.n) if i != me and i not in rnd.finals and i not in rnd.gone])
         rnd.retire()
-        self.audits.after(rnd, fallback, suspect=inconsistent)
-        if disputed:
+        self.audits.after(rnd, fallback, suspect=landing.inconsistent)
+        if landing.disputed:
             log.warning("members hold different means of one part parts=%s group=%s: its reducer sent "
-                        "different ones", list(disputed), gid.hex())
+                        "different ones", list(landing.disputed), gid.hex())
         offences, rnd.offences = tuple(rnd.offences.values()), {}  # the round is kept a while: not its evidence
         self.audits.hand_on(rnd, offences)
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
-                                time.perf_counter() - started, partial, tuple(sorted(rnd.repaired)),
-                                rnd.settled() and not disputed and not rnd.apart(), tuple(rnd.clipped),
+                                time.perf_counter() - started, landing.partial, tuple(sorted(rnd.repaired)),
+                                rnd.settled() and not landing.disputed and not rnd.apart(), tuple(rnd.clipped),
                                 tuple(bytes(rnd.group.members[j]) for j in implausible), offences, tuple(conformed),
                                 kept_waiting)
 
@@ -634,35 +430,3 @@ class Averager:
                 await asyncio.wait_for(rnd.changed.wait(), until - now)
             except asyncio.TimeoutError:
                 pass
-
-    async def _report(self, rnd: Round, i: int, frames: list[list[Any]]) -> None:
-        """Send our report to member i; one we cannot reach is not waited for."""
-        loop = asyncio.get_running_loop()
-        try:
-            left = rnd.agree_deadline - loop.time()
-            nbytes = await asyncio.wait_for(self._send_frames(rnd.peer_ids[i], frames), max(left, 0.001))
-            rnd.sent[0] += nbytes
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001  (as in _deliver: failing to reach a peer is its problem)
-            log.info("report not delivered peer=%s detail=%r", rnd.peer_ids[i], e)
-            rnd.gone.add(i)
-            rnd.changed.set()
-
-    async def _deliver(self, rnd: Round, j: int, frames: list[list[Any]], deadline: float, sent: list[int],
-                       drop_on_failure: bool) -> None:
-        """Send frames to member j by ``deadline``. A reducer we cannot reach will not reduce
-        our slice nor send us its part: drop it at once rather than wait for it."""
-        remaining = deadline - asyncio.get_running_loop().time()
-        try:
-            if remaining <= 0:
-                raise asyncio.TimeoutError
-            nbytes = await asyncio.wait_for(self._send_frames(rnd.peer_ids[j], frames), remaining)
-            sent[0] += nbytes  # not ``sent[0] += await ...``: that reads sent[0] before the await
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001  (any failure to reach a peer is that peer's problem)
-            reason = "timeout" if isinstance(e, asyncio.TimeoutError) else f"unreachable:{type(e).__name__}"
-            log.info("send failed reason=%s peer=%s detail=%s", reason, rnd.peer_ids[j], e)
-            if drop_on_failure:
-                rnd.drop(j, reason)

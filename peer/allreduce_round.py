@@ -1,7 +1,9 @@
 """One member's state of one group's all-reduce (``peer.allreduce`` runs it), without I/O.
 
-Fed by the averager's stream handler with verified frames, read by ``Averager.allreduce``;
-``changed`` wakes the latter whenever something arrives. Three phases:
+Fed by the averager's stream handler with verified frames (``peer.round_intake``), read by
+``Averager.allreduce``; ``changed`` wakes the latter whenever something arrives. The agreement's
+views are ``peer.round_agreement``'s, the screen of reduced parts ``peer.round_screen``'s; this
+module holds the state, the waiters' questions and our own reduction. Three phases:
 
 1. pushes: the members' encoded slices of our part (``PushSlice``), until all are in or the
    push deadline passes;
@@ -40,27 +42,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
 
-from protocol.butterfly import clip_scales, mean_norm_bound, screen_mean, slice_bounds, slice_norm
 from protocol.audit import contribution_digest, inputs_digest
+from protocol.butterfly import clip_scales, slice_bounds, slice_norm
 from protocol.codecs import Codec, get_codec
-from protocol.envelope import Verified
-from protocol.evidence import equivocation, offence
-from protocol.errors import RemoteProtocolError
 from protocol.identity import peer_id_from_public_key
 from protocol.messages import digest
-from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
-MAX_OFFENCES = 4  # proven lies kept per round (one per signer), for peer.bans
-LATE = ("timeout", "short")
-"""Reasons for which a member was dropped as late, not as a liar: its stream timed out, or
-ended with its slice or part short. A late member may still send its part, and it may have
-landed parts nobody else holds, so the agreement waits for its report."""
+from peer.round_agreement import LATE, AgreementMixin
+from peer.round_intake import MAX_OFFENCES, IntakeMixin
+from peer.round_screen import ScreenMixin
+
+__all__ = ["LATE", "MAX_OFFENCES", "Frame", "Landing", "Round", "part_digest"]
 
 log = logging.getLogger("peer.allreduce")
 
@@ -78,15 +75,24 @@ def part_digest(contributors: tuple[int, ...], chunks: list[tuple[int, int, byte
     return digest(msgpack.packb([list(contributors), [[o, n, d] for o, n, d in ordered]], use_bin_type=True))
 
 
-def _check_disjoint(chunks: list[tuple[int, int]], offset: int, numel: int) -> None:
-    """A new chunk may not overlap one already received: every element comes exactly once,
-    so "as many elements as the slice" means "all of the slice"."""
-    for off, cnt in chunks:
-        if offset < off + cnt and off < offset + numel:
-            raise RemoteProtocolError(f"chunk [{offset}, {offset + numel}) overlaps one already received")
+class Landing(NamedTuple):
+    """What a member lands at the end of its round (``Round.land``)."""
+
+    fallback: tuple[int, ...]
+    """Parts whose elements keep our own values (``AllReduceOutcome.fallback_parts``)."""
+    implausible: list[int]
+    """Parts held and refused as larger than their contributions allow (``implausible``)."""
+    inconsistent: list[int]
+    """Parts held and refused by the screen (``inconsistent``): audited whatever the rate."""
+    conformed: list[int]
+    """Parts held and fallen back on to follow the members that finished first (``conform``)."""
+    partial: tuple[int, ...]
+    """Parts held that their reducer averaged without some member."""
+    disputed: tuple[int, ...]
+    """Parts another member reports holding another mean of, not proven equivocated."""
 
 
-class Round:
+class Round(IntakeMixin, AgreementMixin, ScreenMixin):
     """One member's all-reduce of one group (see the module docstring)."""
 
     def __init__(self, group: Any, me: int, vector: torch.Tensor, codec: Codec, clip: float = 0.0,
@@ -188,133 +194,6 @@ class Round:
         return tuple(part_digest(self.contributors[j], self.mean_chunks[j]) if self.holds(j) else b""
                      for j in range(self.n))
 
-    def took_part(self) -> list[int]:
-        """The other members whose report we wait for: those we know are in this round (they
-        pushed to us, sent us a part, or a reducer counted them, or reported); unless our
-        report could not reach them, or they are banned for a lie (checked now: a ban may come
-        during the round; a liar that comes late on purpose would have the members that still
-        wait take its part and those done not). A member that sent nothing is not waited for
-        (dead, paused, or in another group, it would hold every member to the agreement's
-        deadline), except when we had heard from nobody as our agreement began
-        (``early``): then we are more likely early than alone, the others busy with their
-        previous round, and landing without them would have them take our part while we fall
-        back on theirs."""
-        counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
-        out = []
-        for i in range(self.n):
-            if i == self.me or i in self.gone or i in self.finals:  # finished: nothing more comes from it
-                continue
-            if i in self.reports:
-                out.append(i)
-            elif self.peer_ids[i] in self.banned:
-                continue
-            elif self.pushed[i] or self.got[i] or i in counted:
-                out.append(i)
-            elif self.early and (i not in self.dropped or self.dropped[i].startswith(LATE)):
-                out.append(i)
-        return out
-
-    def heard_from_anyone(self) -> bool:
-        counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
-        return any(i != self.me and (self.pushed[i] or self.got[i] or i in counted or i in self.reports)
-                   for i in range(self.n))
-
-    def agreed(self) -> bool:
-        """Every member we wait for (``took_part``) has reported, we hold every part that any of them
-        holds (the ones we lacked were forwarded to us), and every part reported with two
-        different digests is proven to have been equivocated on."""
-        if any(i not in self.reports for i in self.took_part()):
-            return False
-        return not self.wanted() and not self.unproven()
-
-    def unproven(self) -> list[int]:
-        """Parts for which two members (we included) report different digests, not (yet)
-        proven to be two means signed by the reducer."""
-        mine = self.digests()
-        return [j for j in range(self.n) if j not in self.convicted and len(self._means_reported(j, mine[j])) > 1]
-
-    def settled(self) -> bool:
-        """What ``AllReduceOutcome.agreed`` says: the agreement completed, and every member we
-        dropped as late reported too (one whose slices all came late took part in no one's
-        round, but it may still have landed parts: without its report we cannot tell), unless
-        it is banned: a banned member's report is never waited for (``took_part``), and one that
-        pushed nothing and reported nothing would have made every round it was in unagreed."""
-        late = [i for i, why in self.dropped.items() if why.startswith(LATE) and self.peer_ids[i] not in self.banned]
-        return (self.agreed() and all(i in self.reports for i in late)
-                and all(self.visible(j) for j in self.convicted))
-
-    def visible(self, j: int) -> bool:
-        """Whether the reports (ours as we sent it included) showed two means of part j: then
-        every member that got them waited for the proof of it."""
-        return len(self._means_reported(j, self.reported[j] if self.reported else b"")) > 1
-
-    def _means_reported(self, j: int, mine: bytes) -> set[bytes]:
-        """The distinct digests of part j in the members' reports and ``mine`` (b"": none)."""
-        return {r[j] for r in self.reports.values() if r[j]} | ({mine} if mine else set())
-
-    def wanted(self) -> list[int]:
-        """Parts that we lack and another member reports holding."""
-        return [j for j in range(self.n) if self.size(j) and not self.holds(j) and j not in self.convicted
-                and any(r[j] for r in (*self.reports.values(), *self.finals.values()))]
-
-    def came_late(self, j: int) -> bool:
-        """Whether part j's reducer was late as this member saw it: we dropped it for
-        lateness (its slice or part did not come in time), or, for our own part, every other
-        part we hold was reduced without our slice (it came too late to each of its reducers)."""
-        if j != self.me:
-            return self.dropped.get(j, "").startswith(LATE)
-        others = [c for k, c in self.contributors.items() if k != self.me and self.holds(k)]
-        return bool(others) and all(self.me not in c for c in others)
-
-    def conform(self) -> list[int]:
-        """Parts we hold and fall back on, as members that finished before us did (their
-        finals): a part whose reducer came late (``came_late``), which more finished members
-        (not banned, nor dropped for a lie) landed without than with our mean of it. The
-        reducer of such a part produced it after those members had landed without it;
-        landing it would leave us apart from them."""
-        mine = self.digests()
-        finals = [f for i, f in self.finals.items() if self._believed(i)]
-        out = []
-        for j in range(self.n):
-            if not mine[j] or j in self.convicted or not finals or not self.came_late(j):
-                continue
-            without = sum(1 for f in finals if not f[j])
-            if without > sum(1 for f in finals if f[j] == mine[j]):
-                log.warning("falling back on a part the members that finished first landed without part=%d "
-                            "reducer=%s without=%d of=%d group=%s", j, self.peer_ids[j], without, len(finals),
-                            self.group.group_id.hex())
-                out.append(j)
-        return out
-
-    def apart(self) -> list[int]:
-        """Members (not banned) whose final says they landed other parts than we did."""
-        return [i for i, f in self.finals.items() if self._believed(i) and f != self.landed]
-
-    def _believed(self, i: int) -> bool:
-        """Whether member i's final counts: not banned, nor dropped from this round for a frame
-        that failed a check (a lie, not lateness)."""
-        return self.peer_ids[i] not in self.banned and self.dropped.get(i, "late").startswith(LATE + ("late",))
-
-    def proof_wanted(self) -> list[tuple[int, int]]:
-        """(member, part) pairs to send the proof of the part's equivocation to: every other
-        member that reported holding the part (it may hold either mean)."""
-        return [(i, j) for j in self.convicted for i, rep in self.reports.items()
-                if rep[j] and i != j and (i, j) not in self.proved]
-
-    def forward_wanted(self) -> list[tuple[int, int]]:
-        """(member, part) pairs to forward now: the member reported lacking a part we hold, or
-        holding another mean of it than ours (then our frames and its own prove the reducer
-        equivocated)."""
-        out = []
-        mine = self.digests()
-        for i, rep in self.reports.items():
-            for j, d in enumerate(rep):
-                if self.holds(j) and (i, j) not in self.forwarded and i != j and d != mine[j]:
-                    out.append((i, j))
-        return out
-
-    # --- what the handler feeds -----------------------------------------------------------
-
     def drop(self, i: int, reason: str) -> None:
         if i == self.me or i in self.dropped:
             return
@@ -323,304 +202,30 @@ class Round:
                     self.group.group_id.hex(), i)
         self.changed.set()
 
-    def accept(self, peer_id: str, v: Verified, nbytes: int, data: bytes) -> None:
-        """A verified frame whose signer is ``peer_id``, the stream's remote peer."""
-        i = self.index.get(peer_id)
-        if i is None:
-            log.warning("rejected slice reason=not_a_member peer=%s group=%s", peer_id, self.group.group_id.hex())
-            return
-        if i == self.me:
-            return
-        msg = v.message
-        if isinstance(msg, PartsHeld):  # also from a member we dropped: it may need our parts
-            self._accept_report(i, msg)
-            return
-        late = self.dropped.get(i, "").startswith(LATE)
-        if i in self.dropped and not (late and isinstance(msg, SliceAveraged)):
-            return  # a member dropped for lateness may still send its part; not one that lied
-        self.bytes_received += nbytes
-        seen = (i, type(msg).__name__, msg.part, msg.offset, bytes(v.payload_digest))
-        if seen in self._seen:
-            return  # sent again because its acknowledgement did not come in time (peer.outbox)
-        try:
-            if isinstance(msg, PushSlice):
-                self._accept_push(i, msg, v.payload_digest, data)
-            else:
-                self._accept_mean(i, msg, v.payload_digest, data)  # type: ignore[arg-type]
-        except RemoteProtocolError as e:
-            self.drop(i, f"{type(msg).__name__}:{e}")
-            self._keep_evidence(data)
-            return
-        self._seen.add(seen)
-        self.changed.set()
-
-    def _keep_evidence(self, data: bytes) -> None:
-        """Keep a frame that failed a check if it proves its signer lied: one per signer, a few
-        per round (a frame wrong only for this round, or a resend, proves nothing and is not kept)."""
-        if len(self.offences) >= MAX_OFFENCES:
-            return
-        proven = offence(data, self.group.run_id)
-        if proven is not None and proven[0] not in self.offences:
-            self.offences[proven[0]] = (proven[0], proven[1], bytes(data))
-
-    def stream_ended(self, peer_id: str, kind: type) -> None:
-        """A stream on which member ``peer_id`` sent its slice of ours (``PushSlice``) or its
-        reduced part (``SliceAveraged``) ended. A sender writes all of it on one stream, so one
-        still short now never completes: drop the sender at once rather than at the deadline."""
-        i = self.index.get(peer_id)
-        if i is None or i == self.me or i in self.dropped:
-            return
-        if kind is PushSlice and self.collecting_pushes and self.pushed[i] != self.size(self.me):
-            self.drop(i, f"short:its stream ended after {self.pushed[i]} of the slice's {self.size(self.me)} elements")
-        elif kind is SliceAveraged and self.collecting_means and not self.holds(i) and self.size(i):
-            self.drop(i, f"short:its stream ended after {self.got[i]} of its part's {self.size(i)} elements")
-
-    def accept_forwarded(self, forwarder: str, v: Verified, nbytes: int, data: bytes) -> None:
-        """A ``SliceAveraged`` signed by its reducer, forwarded by another member because we
-        reported lacking that part. Taken once one forwarder has sent all of the part."""
-        f = self.index.get(forwarder)
-        msg = v.message
-        j = self.index.get(v.peer_id)
-        if f is None or j is None or not isinstance(msg, SliceAveraged) or j == self.me:
-            log.warning("rejected forwarded part reason=not_a_member peer=%s group=%s", forwarder,
-                        self.group.group_id.hex())
-            return
-        if not self.agreeing:
-            return  # unasked for
-        if self.holds(j) or j in self.convicted:  # here already: the same mean, or proof of another
-            held = [(o, n, self.contributors[j], d, f[0]) for (o, n, d), f in zip(self.mean_chunks[j], self.frames[j])
-                    ] if self.holds(j) else []
-            self._check_equivocation(j, msg, v.payload_digest, data, held)
-            return
-        if self._check_equivocation(j, msg, v.payload_digest, data,
-                                    [(c[0], c[1], c[4], c[3], c[2]) for (p, _), cs in self.repairs.items() if p == j
-                                     for c in cs]):
-            return
-        seen = (f, "forwarded", j, msg.offset, bytes(v.payload_digest))
-        if seen in self._seen:
-            return  # sent again because its acknowledgement did not come in time (peer.outbox)
-        self._seen.add(seen)
-        self.bytes_received += nbytes
-        chunks = self.repairs.setdefault((j, f), [])
-        try:
-            self._check_mean(j, msg, sum(c[1] for c in chunks))
-            _check_disjoint([(o, n) for o, n, *_ in chunks], msg.offset, msg.numel)
-            if chunks and tuple(msg.contributors) != tuple(chunks[0][4]):
-                raise RemoteProtocolError("contributors differ between chunks of one part")
-            self.codec.decode(msg.payload, msg.numel)  # layout, scales and finiteness; raises
-        except RemoteProtocolError as e:  # signed by the reducer: its fault, but we need not use it
-            log.warning("rejected forwarded part reason=%s reducer=%s forwarder=%s group=%s", e,
-                        self.peer_ids[j], forwarder, self.group.group_id.hex())
-            self.repairs.pop((j, f), None)
-            self._keep_evidence(data)  # evidence against its signer, the reducer
-            return
-        chunks.append((msg.offset, msg.numel, data, v.payload_digest, tuple(msg.contributors), msg.payload))
-        if sum(c[1] for c in chunks) == self.size(j):
-            self._take_repair(j, f)
-        self.changed.set()
-
-    def _check_equivocation(self, j: int, msg: SliceAveraged, payload_digest: bytes, data: bytes,
-                            ours: list[tuple[int, int, tuple[int, ...], bytes, bytes]]) -> bool:
-        """Whether ``data`` (``msg``), a frame of part j, and one of ``ours`` (offset, numel,
-        contributors, payload digest, frame: each checked when it came) prove that j's reducer
-        signed two different means; if so the part is convicted and the proof kept. Frames are
-        compared by what ``part_digest`` covers first: the signatures are checked again only
-        for a pair that overlaps and differs."""
-        if j in self.convicted:
-            return True
-        what = (tuple(msg.contributors), payload_digest)
-        for offset, numel, contributors, pd, frame in ours:
-            if not (offset < msg.offset + msg.numel and msg.offset < offset + numel):
-                continue
-            if (offset, numel) == (msg.offset, msg.numel) and (tuple(contributors), pd) == what:
-                continue  # the same mean
-            proven = equivocation(bytes(frame), bytes(data), self.group.run_id)
-            if proven is None:
-                continue
-            self.convicted[j] = (bytes(frame), bytes(data))
-            log.warning("reducer equivocated part=%d peer=%s group=%s: two different means, signed; the part "
-                        "falls back", j, self.peer_ids[j], self.group.group_id.hex())
-            if len(self.offences) < MAX_OFFENCES and proven[0] not in self.offences:
-                self.offences[proven[0]] = (proven[0], proven[1], self.convicted[j])
-            self.changed.set()
-            return True
-        return False
-
-    def _take_repair(self, j: int, f: int) -> None:
-        chunks = self.repairs.pop((j, f))
-        self.mean_errors[j] = {}
-        for offset, numel, *_, payload in chunks:  # the whole part, from one forwarder's frames
-            self.result[offset:offset + numel] = self.codec.decode(payload, numel)
-            self.mean_errors[j][offset] = self.codec.error_bound(payload, numel) ** 2
-        self.contributors[j] = tuple(chunks[0][4])
-        self.mean_chunks[j] = [(c[0], c[1], c[3]) for c in chunks]
-        self.frames[j] = [[c[2]] for c in chunks]
-        self.got[j] = self.size(j)
-        self.repaired.add(j)
-        log.info("reduced part repaired part=%d from=%s group=%s", j, self.peer_ids[f], self.group.group_id.hex())
-
-    def _accept_report(self, i: int, msg: PartsHeld) -> None:
-        if len(msg.digests) != self.n:
-            log.warning("rejected report reason=%d_parts_for_%d_members peer=%s", len(msg.digests), self.n,
-                        self.peer_ids[i])
-            return
-        digests = tuple(bytes(d) for d in msg.digests)
-        if msg.final:
-            if i not in self.finals:
-                self.finals[i] = digests
-                if self.landed and digests != self.landed:
-                    log.warning("a member landed other parts than we did peer=%s group=%s", self.peer_ids[i],
-                                self.group.group_id.hex())
-                self.changed.set()
-            return
-        if i in self.reports:
-            return  # one report per member and round
-        self.reports[i] = digests
-        if len(msg.norms) == self.n:  # else it told us nothing about its slices: it bounds no part
-            self.report_norms[i] = tuple(msg.norms)
-        if len(msg.dots) == self.n:
-            self.report_dots[i] = tuple(msg.dots)
-        for j, d in enumerate(self.reports[i]):
-            if d and j != i:
-                self.held_since.setdefault(j, time.monotonic())  # the event loop's clock
-        self.changed.set()
-
-    def _check_slice(self, msg: PushSlice | SliceAveraged, part: int, covered: int) -> None:
-        g = self.group
-        s, e = self.bounds[part]
-        if msg.codec != g.codec:
-            raise RemoteProtocolError(f"codec {msg.codec} is not the group's {g.codec}")
-        if msg.dtype != "float32" or tuple(msg.shape) != (msg.numel,):
-            raise RemoteProtocolError(f"shape {tuple(msg.shape)} / dtype {msg.dtype} is not a flat float32 slice")
-        if msg.numel == 0 or not (s <= msg.offset and msg.offset + msg.numel <= e):
-            raise RemoteProtocolError(f"elements [{msg.offset}, {msg.offset + msg.numel}) are outside "
-                                      f"slice {part} [{s}, {e})")
-        if covered + msg.numel > e - s:
-            raise RemoteProtocolError(f"more than the {e - s} elements of slice {part}")
-
-    def _accept_push(self, i: int, msg: PushSlice, payload_digest: bytes, data: bytes) -> None:
-        if msg.part != self.me:
-            raise RemoteProtocolError(f"part {msg.part} sent to the reducer of part {self.me}")
-        if not self.collecting_pushes:
-            log.info("late slice ignored peer=%s group=%s", self.peer_ids[i], self.group.group_id.hex())
-            return
-        self._check_slice(msg, self.me, self.pushed[i])
-        if msg.weight != self.group.weights[i]:
-            raise RemoteProtocolError(f"weight {msg.weight} is not the group's {self.group.weights[i]}")
-        chunks = self.pushes.setdefault(i, [])
-        _check_disjoint([(off, cnt) for off, cnt, _ in chunks], msg.offset, msg.numel)
-        if i in self.excluded:  # banned: counted (it came, on time or not), never averaged nor kept
-            chunks.append((msg.offset, msg.numel, None))
-            self.pushed[i] += msg.numel
-            return
-        self.codec.decode(msg.payload, msg.numel)  # layout, scales and finiteness; raises
-        chunks.append((msg.offset, msg.numel, msg.payload))
-        self.push_frames.setdefault(i, []).append((msg.offset, msg.numel, bytes(payload_digest), bytes(data)))
-        self.pushed[i] += msg.numel
-
-    def _check_mean(self, j: int, msg: SliceAveraged, covered: int) -> None:
-        if msg.part != j:
-            raise RemoteProtocolError(f"reduced part {msg.part} sent by the reducer of part {j}")
-        self._check_slice(msg, j, covered)
-        contrib = tuple(msg.contributors)
-        if j not in contrib or contrib[-1] >= self.n:
-            raise RemoteProtocolError(f"contributors {contrib} must include the reducer and be members")
-        total = math.fsum(self.group.weights[c] for c in contrib)
-        if not math.isclose(msg.weight, total, rel_tol=1e-9, abs_tol=1e-12):
-            raise RemoteProtocolError(f"weight {msg.weight} is not the contributors' total {total}")
-
-    def _accept_mean(self, j: int, msg: SliceAveraged, payload_digest: bytes, data: bytes) -> None:
-        if self.holds(j):
-            return  # forwarded to us already
-        if not self.collecting_means:
-            log.info("late reduced part ignored peer=%s group=%s", self.peer_ids[j], self.group.group_id.hex())
-            return
-        self._check_mean(j, msg, self.got[j])
-        contrib = tuple(msg.contributors)
-        if self.contributors.setdefault(j, contrib) != contrib:
-            raise RemoteProtocolError("contributors differ between chunks of one part")
-        _check_disjoint([(o, n) for o, n, _ in self.mean_chunks.setdefault(j, [])], msg.offset, msg.numel)
-        decoded = self.codec.decode(msg.payload, msg.numel)  # raises on bad bytes or non-finite values
-        self.result[msg.offset:msg.offset + msg.numel] = decoded
-        self.mean_errors.setdefault(j, {})[msg.offset] = self.codec.error_bound(msg.payload, msg.numel) ** 2
-        self.mean_chunks[j].append((msg.offset, msg.numel, payload_digest))
-        self.frames.setdefault(j, []).append([bytes(data)])
-        self.got[j] += msg.numel
-        if self.agreeing and self.got[j] == self.size(j):
-            self.repaired.add(j)  # resent by its reducer after our report said we lacked it
-
-    def implausible(self) -> list[int]:
-        """Parts we hold whose mean is larger than its contributors' reported norms allow
-        (``protocol.butterfly.mean_norm_bound``): a reducer that scaled its mean up, or sent
-        another, by much. Every member that holds the same frames and reports decides alike,
-        and falls back on the part (a lie we cannot prove: the pushes are not ours to show,
-        so no one is banned for it)."""
-        norms = {**self.report_norms, self.me: self.norms}
-        out = []
-        for j in range(self.n):
-            if not self.holds(j) or j in self.convicted:
-                continue
-            others = [i for i in self.contributors[j] if i != j] or [i for i in range(self.n) if i != j]
-            bound = mean_norm_bound([norms[i][j] for i in others if i in norms], self.clip)
+    def land(self) -> Landing:
+        """Decide what we land, and write it into ``result``: our own values fill the parts we
+        fall back on, which are a part nobody forwarded to us nor holds (its reducer failed
+        every member alike); one whose reducer we proved sent different means (every member
+        that holds the proof); one far larger than its contributions allow, or refused by the
+        screen (every member, from the same frames and reports: the screen's refusal is not
+        proof, two members may have lied in their reports, so the part's audit convicts); or a
+        late reducer's part that the members which finished first landed without. Sets
+        ``landed``, our final report."""
+        implausible = self.implausible()
+        inconsistent = [j for j in self.inconsistent() if j not in implausible]
+        conformed = self.conform()
+        fallback = tuple(j for j in range(self.n) if self.size(j) and (
+            not self.holds(j) or j in self.convicted or j in implausible or j in inconsistent or j in conformed))
+        for j in fallback:
             s, e = self.bounds[j]
-            if bound is not None and (norm := slice_norm(self.result[s:e])) > bound:
-                log.warning("reduced part too large to be a mean of its contributions norm=%.3g bound=%.3g "
-                            "part=%d reducer=%s group=%s: falling back on it", norm, bound, j, self.peer_ids[j],
-                            self.group.group_id.hex())
-                out.append(j)
-        return out
-
-    def pushing(self, j: int, encoded: list[tuple[int, int, bytes]]) -> None:
-        """Our push of part j, encoded in chunks [(start, end, bytes)]: what its reducer will
-        average, decoded, for our report's norm and dot of it."""
-        s, e = self.bounds[j]
-        out = torch.empty(e - s, dtype=torch.float32)
-        for a, b, payload in encoded:
-            out[a - s:b - s] = self.codec.decode(payload, b - a)
-        self.pushed_out[j] = out
-        self.norms[j] = slice_norm(out)
-
-    def my_dots(self) -> tuple[float, ...]:
-        """Our report's dots (``PartsHeld.dots``): for each part we hold and contributed to,
-        ``<its mean, our push of it>`` in float64; 0.0 where we cannot say."""
-        out = []
-        for j in range(self.n):
-            s, e = self.bounds[j]
-            mine = self.pushed_out.get(j)
-            known = (j != self.me and mine is not None and self.holds(j) and self.me in self.contributors[j])
-            out.append(float(torch.dot(self.result[s:e].double(), mine.double())) if known else 0.0)
-        self.dots = tuple(out)
-        return self.dots
-
-    def inconsistent(self) -> list[int]:
-        """Parts we hold whose mean its contributions cannot give, by the members' reported
-        norms and dots (``protocol.butterfly.mean_consistent``): negated, another vector, or
-        scaled up beyond what the reducer's own slice allows. Every member that holds the same
-        frames and reports decides alike and falls back on the part; the part is audited
-        (``peer.audit``), which proves a wrong mean against its reducer (and bans it). One
-        member's false report (a dot, a norm) cannot make an honest part fail: the screen
-        refuses a mean only if it fits no world with one liar (``screen_mean``). Two colluding
-        members can, so a refusal alone proves nothing: it distrusts and bans nobody (the audit
-        decides), and costs that part's update for the round."""
-        norms = {**self.report_norms, self.me: tuple(self.norms)}
-        dots = {**self.report_dots, self.me: self.dots}
-        out = []
-        for j in range(self.n):
-            if not self.holds(j) or j in self.convicted:
-                continue
-            others = [i for i in self.contributors[j] if i != j]
-            # a contributor that did not report (or reported no norms) may be anything up to the clip
-            said = {i: dots[i][j] if len(dots.get(i, ())) == self.n and dots[i][j] != 0.0 else None for i in others}
-            s, e = self.bounds[j]
-            # summed in offset order, so every member gets the same float whatever order the chunks came in
-            error = math.sqrt(math.fsum(v for _, v in sorted(self.mean_errors[j].items()))) if j in self.mean_errors \
-                else math.inf
-            said_by = [(self.group.weights[i], norms[i][j] if i in norms else None, said[i]) for i in others]
-            if not screen_mean(slice_norm(self.result[s:e]), error, self.clip, self.group.weights[j], said_by):
-                log.warning("reduced part its contributions cannot give (by their reported dots) part=%d reducer=%s "
-                            "group=%s: falling back on it", j, self.peer_ids[j], self.group.group_id.hex())
-                out.append(j)
-        return out
+            self.result[s:e] = self.vector[s:e]
+        partial = tuple(j for j, contrib in sorted(self.contributors.items())
+                        if self.holds(j) and len(contrib) < self.n)
+        mine = self.digests()
+        disputed = tuple(j for j in range(self.n) if j not in self.convicted
+                         and mine[j] and any(r[j] and r[j] != mine[j] for r in self.reports.values()))
+        self.landed = tuple(b"" if j in fallback else mine[j] for j in range(self.n))
+        return Landing(fallback, implausible, inconsistent, conformed, partial, disputed)
 
     # --- the reduction ------------------------------------------------------------------
 

@@ -1,0 +1,126 @@
+"""The averager's inbound side (``peer.allreduce.Averager``): the stream handler reads each
+frame under the per-peer limits (``peer.inbox``), verifies it, and hands it to the round it
+belongs to, to a finished round still answering late reports, to the buffer of groups not
+started yet, or to the audits; a peer whose frame fails is dropped from its rounds."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from peer.inbox import HEADER_LEN, FrameTooLarge, StreamEnded, TooManyStreams, peek_group, read_body, read_header
+from peer.outbox import ACK, MAX_UNREAD_ACKS
+from protocol.envelope import verify
+from protocol.errors import RemoteProtocolError
+from protocol.messages_swarm import AuditRequest, Evidence, PartsHeld, PushSlice, SliceAveraged
+
+log = logging.getLogger("peer.allreduce")
+
+
+class InboundMixin:
+    """``Averager``'s stream handler. Uses the averager's rounds (``_active``, ``_recent``,
+    ``_finished``), its buffer (``_pending``), gate, audits and limits."""
+
+    async def _handle_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer_id = info.peer_id.to_base58()
+        carried: set[tuple[bytes, type]] = set()  # (group, PushSlice or SliceAveraged) this stream carried
+        try:
+            async with self._gate.stream(peer_id):
+                while True:
+                    size = await read_header(reader, self.max_frame_bytes, self.read_timeout_s)
+                    if size is None:
+                        self._stream_ended(peer_id, carried)
+                        break
+                    async with self._gate.body(peer_id):  # one of a peer's frames being read at a time
+                        data = await read_body(reader, size, self.read_timeout_s)
+                        await self.download.take(HEADER_LEN + size)  # holds back the sender under a cap
+                        key = self._on_frame(peer_id, data)
+                        del data  # or this stream holds its last frame while it waits for the next
+                    writer.write(ACK)  # read and handled: the sender closes once all are (peer.outbox)
+                    if writer.transport.get_write_buffer_size() > MAX_UNREAD_ACKS:
+                        log.info("averaging stream closed reason=acks_not_read peer=%s", peer_id)
+                        break  # it does not read what we answer: no buffer of ours grows for it
+                    if key is not None:
+                        carried.add(key)
+        except TooManyStreams as e:
+            log.warning("averaging stream refused reason=too_many_streams peer=%s detail=%s", peer_id, e)
+        except FrameTooLarge as e:
+            self._blame(peer_id, None, f"frame_too_large:{e}")
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            log.info("averaging stream ended early reason=%s peer=%s", type(e).__name__, peer_id)
+        finally:
+            writer.close()
+
+    def _on_frame(self, peer_id: str, data: bytes) -> tuple[bytes, type] | None:
+        """Handle one frame; -> (group ID, message type) of a slice or part the stream's peer
+        sent for itself (what its stream's end says something about), else None."""
+        try:
+            v = verify(data, expect=(PushSlice, SliceAveraged, PartsHeld, AuditRequest, Evidence), run_id=self.run_id,
+                       max_size=self.max_frame_bytes)
+            if self.audits.take(peer_id, v, data):  # the inputs of a mean we audit, shown by its reducer
+                return None
+            forwarded = v.peer_id != peer_id
+            if forwarded and not isinstance(v.message, SliceAveraged):  # only reduced parts are forwarded
+                verify(data, run_id=self.run_id, sender=peer_id, max_size=self.max_frame_bytes)  # raises
+        except RemoteProtocolError as e:
+            self._blame(peer_id, peek_group(data), f"{type(e).__name__}:{e}")
+            return None
+        if isinstance(v.message, AuditRequest):
+            self.audits.answer(peer_id, v.message)
+            return None
+        if isinstance(v.message, Evidence):
+            self.audits.evidence(peer_id, v.message)
+            return None
+        gid = bytes(v.message.group_id)  # type: ignore[attr-defined]
+        nbytes = HEADER_LEN + len(data)
+        rnd = self._active.get(gid)
+        if forwarded:  # a part we reported lacking; unasked for outside a round, so not buffered
+            if rnd is not None:
+                rnd.accept_forwarded(peer_id, v, nbytes, data)
+                if rnd.agreeing:  # it may have completed a part others lack, or proven an equivocation
+                    self._forward(rnd, rnd.tasks)
+            return None
+        if rnd is not None:
+            rnd.accept(peer_id, v, nbytes, data)
+            if isinstance(v.message, PartsHeld) and rnd.agreeing:
+                self._forward(rnd, rnd.tasks)
+        elif gid in self._recent and isinstance(v.message, PartsHeld):
+            rnd = self._recent[gid]
+            rnd.accept(peer_id, v, nbytes, data)  # a member late to the agreement: it may lack a part
+            self._forward(rnd, self._side_tasks)
+            if not v.message.final and peer_id in rnd.index:  # and it should know what we landed
+                self._tell_landed(rnd, [rnd.index[peer_id]])
+        elif gid in self._finished:
+            log.debug("frame for a finished group dropped peer=%s group=%s", peer_id, gid.hex())
+            return None
+        elif not self._pending.add(gid, peer_id, v, nbytes, data,  # a banned member's earliness decides nothing
+                                   waits=isinstance(v.message, PushSlice) and not v.message.stopping
+                                   and peer_id not in self.banned):
+            return None  # dropped at a limit of ours: its stream's end says nothing about the sender
+        return None if isinstance(v.message, PartsHeld) else (gid, type(v.message))
+
+    def _stream_ended(self, peer_id: str, carried: set[tuple[bytes, type]]) -> None:
+        """The peer closed a stream that carried its slices or parts: any it left short stay so."""
+        for gid, kind in carried:
+            rnd = self._active.get(gid)
+            if rnd is not None:
+                rnd.stream_ended(peer_id, kind)
+            else:
+                self._pending.note(gid, peer_id, StreamEnded(kind))
+
+
+    def _blame(self, peer_id: str, gid: bytes | None, reason: str) -> None:
+        """A frame from ``peer_id`` (authenticated by libp2p) was bad: drop it from the round
+        the frame claims, or from every round it is in if the frame names none we know."""
+        log.warning("rejected slice reason=%s peer=%s", reason, peer_id)
+        if gid is not None and gid in self._active:
+            rounds = [self._active[gid]]
+        elif gid is not None and gid not in self._finished:
+            self._pending.add(gid, peer_id, reason)
+            return
+        else:
+            rounds = [r for r in self._active.values() if peer_id in r.index]
+        for r in rounds:
+            if peer_id in r.index:
+                r.drop(r.index[peer_id], reason)

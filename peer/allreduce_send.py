@@ -1,0 +1,135 @@
+"""The averager's outbound side (``peer.allreduce.Averager``): a round's slices and parts
+encoded in chunks and sealed, sent until acknowledged (``peer.outbox``) by a deadline, and the
+agreement's sends (reports, forwarded parts, proofs, finals)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import torch
+
+from peer.allreduce_round import Round
+from peer.outbox import send_frames
+from protocol.envelope import seal_parts
+from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
+
+log = logging.getLogger("peer.allreduce")
+
+CHUNK_ALIGN = 256  # elements: a multiple of every codec's block (int8: 256, fp4: 32)
+HEAD_ROOM = 4096  # bytes of a frame that are not payload: envelope and message heads
+
+
+def chunk_elements(max_frame_bytes: int) -> int:
+    """Elements per message so that any codec's envelope fits in ``max_frame_bytes`` (4 bytes
+    per element is the largest codec), a multiple of ``CHUNK_ALIGN``."""
+    return (max_frame_bytes - HEAD_ROOM) // 4 // CHUNK_ALIGN * CHUNK_ALIGN
+
+
+def chunk_spans(start: int, end: int, step: int) -> list[tuple[int, int]]:
+    return [(a, min(a + step, end)) for a in range(start, end, step)]
+
+
+class SendMixin:
+    """``Averager``'s sends. Uses its identity, handler name, rate limiter and side tasks."""
+
+    def _forward(self, rnd: Round, tasks: Any) -> None:
+        """Send members that reported lacking a part we hold (or holding another mean of it)
+        its signed frames, and members that reported holding a part we proved equivocated the
+        proof (see ``peer.allreduce_round``), each part to each member once, within the
+        agreement's time."""
+        loop = asyncio.get_running_loop()
+        deadline = rnd.agree_deadline if rnd.agree_deadline > loop.time() else loop.time() + rnd.group.deadline_s
+        sends = []
+        for i, j in rnd.forward_wanted():
+            rnd.forwarded.add((i, j))
+            log.info("forwarding reduced part part=%d to=%s group=%s", j, rnd.peer_ids[i], rnd.group.group_id.hex())
+            sends.append((i, rnd.frames[j]))
+        for i, j in rnd.proof_wanted():
+            rnd.proved.add((i, j))
+            log.info("forwarding proof of equivocation part=%d to=%s group=%s", j, rnd.peer_ids[i],
+                     rnd.group.group_id.hex())
+            sends.append((i, [[frame] for frame in rnd.convicted[j]]))
+        for i, frames in sends:
+            task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))
+            if isinstance(tasks, set):
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            else:
+                tasks.append(task)
+
+    def _tell_landed(self, rnd: Round, members: list[int]) -> None:
+        """Send ``members`` our final report: the parts we landed (``Round.landed``), each once."""
+        members = [i for i in members if i not in rnd.told and i != rnd.me]
+        if not rnd.landed or not members:
+            return
+        g = rnd.group
+        final = PartsHeld(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id,
+                          digests=rnd.landed, final=True)
+        frames = [seal_parts(final, self.identity)]
+        deadline = asyncio.get_running_loop().time() + g.deadline_s
+        for i in members:
+            rnd.told.add(i)
+            task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))
+            self._side_tasks.add(task)
+            task.add_done_callback(self._side_tasks.discard)
+
+    async def _send_frames(self, peer_id: str, frames: list[list[Any]]) -> int:
+        """Send frames (sealed parts) to ``peer_id`` until each is acknowledged (``peer.outbox``).
+        -> bytes sent."""
+        return await send_frames(self.p2p, peer_id, self.handler_name, frames, upload=self.upload,
+                                 reconnect=self.reconnect)
+
+    def _encode(self, rnd: Round, part: int, values: torch.Tensor) -> list[tuple[int, int, bytes]]:
+        """``values`` (the elements of slice ``part``) encoded in chunks: [(start, end, bytes)]."""
+        s, e = rnd.bounds[part]
+        return [(a, b, rnd.codec.encode(values[a - s:b - s]))
+                for a, b in chunk_spans(s, e, chunk_elements(self.max_frame_bytes))]
+
+    def _frames(self, rnd: Round, part: int, encoded: list[tuple[int, int, bytes]], weight: float,
+                contributors: tuple[int, ...] | None, inputs: bytes = b"") -> list[list[Any]]:
+        """Sealed PushSlices (or SliceAverageds, with ``contributors``) carrying ``encoded``."""
+        g = rnd.group
+        frames = []
+        for a, b, payload in encoded:
+            common: dict[str, Any] = {
+                "run_id": g.run_id, "fragment": g.fragment, "round": g.round, "group_id": g.group_id, "part": part,
+                "offset": a, "numel": b - a, "shape": (b - a,), "dtype": "float32", "codec": g.codec,
+                "weight": weight, "payload": payload}
+            msg = (PushSlice(stopping=rnd.stopping, **common) if contributors is None
+                   else SliceAveraged(contributors=contributors, inputs=inputs, **common))
+            frames.append(seal_parts(msg, self.identity))
+        return frames
+
+    async def _report(self, rnd: Round, i: int, frames: list[list[Any]]) -> None:
+        """Send our report to member i; one we cannot reach is not waited for."""
+        loop = asyncio.get_running_loop()
+        try:
+            left = rnd.agree_deadline - loop.time()
+            nbytes = await asyncio.wait_for(self._send_frames(rnd.peer_ids[i], frames), max(left, 0.001))
+            rnd.sent[0] += nbytes
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001  (as in _deliver: failing to reach a peer is its problem)
+            log.info("report not delivered peer=%s detail=%r", rnd.peer_ids[i], e)
+            rnd.gone.add(i)
+            rnd.changed.set()
+
+    async def _deliver(self, rnd: Round, j: int, frames: list[list[Any]], deadline: float, sent: list[int],
+                       drop_on_failure: bool) -> None:
+        """Send frames to member j by ``deadline``. A reducer we cannot reach will not reduce
+        our slice nor send us its part: drop it at once rather than wait for it."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            nbytes = await asyncio.wait_for(self._send_frames(rnd.peer_ids[j], frames), remaining)
+            sent[0] += nbytes  # not ``sent[0] += await ...``: that reads sent[0] before the await
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001  (any failure to reach a peer is that peer's problem)
+            reason = "timeout" if isinstance(e, asyncio.TimeoutError) else f"unreachable:{type(e).__name__}"
+            log.info("send failed reason=%s peer=%s detail=%s", reason, rnd.peer_ids[j], e)
+            if drop_on_failure:
+                rnd.drop(j, reason)

@@ -1,0 +1,145 @@
+"""Agreement of one member's round (``peer.allreduce_round.Round``, phases 3-5 of its module
+docstring): whose reports to wait for, which parts to ask for or forward, which disputes are
+proven, and which parts to fall back on to follow the members that finished first. Pure
+views of the round's state; the handler's intake (``peer.round_intake``) fills that state."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("peer.allreduce")
+
+LATE = ("timeout", "short")
+"""Reasons for which a member was dropped as late, not as a liar: its stream timed out, or
+ended with its slice or part short. A late member may still send its part, and it may have
+landed parts nobody else holds, so the agreement waits for its report."""
+
+
+class AgreementMixin:
+    """``Round``'s agreement views. Reads the round's state (``Round.__init__`` defines it):
+    members, reports and finals, what we hold (``holds``, ``digests``), drops and bans."""
+
+    def took_part(self) -> list[int]:
+        """The other members whose report we wait for: those we know are in this round (they
+        pushed to us, sent us a part, or a reducer counted them, or reported); unless our
+        report could not reach them, or they are banned for a lie (checked now: a ban may come
+        during the round; a liar that comes late on purpose would have the members that still
+        wait take its part and those done not). A member that sent nothing is not waited for
+        (dead, paused, or in another group, it would hold every member to the agreement's
+        deadline), except when we had heard from nobody as our agreement began
+        (``early``): then we are more likely early than alone, the others busy with their
+        previous round, and landing without them would have them take our part while we fall
+        back on theirs."""
+        counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
+        out = []
+        for i in range(self.n):
+            if i == self.me or i in self.gone or i in self.finals:  # finished: nothing more comes from it
+                continue
+            if i in self.reports:
+                out.append(i)
+            elif self.peer_ids[i] in self.banned:
+                continue
+            elif self.pushed[i] or self.got[i] or i in counted:
+                out.append(i)
+            elif self.early and (i not in self.dropped or self.dropped[i].startswith(LATE)):
+                out.append(i)
+        return out
+
+    def heard_from_anyone(self) -> bool:
+        counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
+        return any(i != self.me and (self.pushed[i] or self.got[i] or i in counted or i in self.reports)
+                   for i in range(self.n))
+
+    def agreed(self) -> bool:
+        """Every member we wait for (``took_part``) has reported, we hold every part that any of them
+        holds (the ones we lacked were forwarded to us), and every part reported with two
+        different digests is proven to have been equivocated on."""
+        if any(i not in self.reports for i in self.took_part()):
+            return False
+        return not self.wanted() and not self.unproven()
+
+    def unproven(self) -> list[int]:
+        """Parts for which two members (we included) report different digests, not (yet)
+        proven to be two means signed by the reducer."""
+        mine = self.digests()
+        return [j for j in range(self.n) if j not in self.convicted and len(self._means_reported(j, mine[j])) > 1]
+
+    def settled(self) -> bool:
+        """What ``AllReduceOutcome.agreed`` says: the agreement completed, and every member we
+        dropped as late reported too (one whose slices all came late took part in no one's
+        round, but it may still have landed parts: without its report we cannot tell), unless
+        it is banned: a banned member's report is never waited for (``took_part``), and one that
+        pushed nothing and reported nothing would have made every round it was in unagreed."""
+        late = [i for i, why in self.dropped.items() if why.startswith(LATE) and self.peer_ids[i] not in self.banned]
+        return (self.agreed() and all(i in self.reports for i in late)
+                and all(self.visible(j) for j in self.convicted))
+
+    def visible(self, j: int) -> bool:
+        """Whether the reports (ours as we sent it included) showed two means of part j: then
+        every member that got them waited for the proof of it."""
+        return len(self._means_reported(j, self.reported[j] if self.reported else b"")) > 1
+
+    def _means_reported(self, j: int, mine: bytes) -> set[bytes]:
+        """The distinct digests of part j in the members' reports and ``mine`` (b"": none)."""
+        return {r[j] for r in self.reports.values() if r[j]} | ({mine} if mine else set())
+
+    def wanted(self) -> list[int]:
+        """Parts that we lack and another member reports holding."""
+        return [j for j in range(self.n) if self.size(j) and not self.holds(j) and j not in self.convicted
+                and any(r[j] for r in (*self.reports.values(), *self.finals.values()))]
+
+    def came_late(self, j: int) -> bool:
+        """Whether part j's reducer was late as this member saw it: we dropped it for
+        lateness (its slice or part did not come in time), or, for our own part, every other
+        part we hold was reduced without our slice (it came too late to each of its reducers)."""
+        if j != self.me:
+            return self.dropped.get(j, "").startswith(LATE)
+        others = [c for k, c in self.contributors.items() if k != self.me and self.holds(k)]
+        return bool(others) and all(self.me not in c for c in others)
+
+    def conform(self) -> list[int]:
+        """Parts we hold and fall back on, as members that finished before us did (their
+        finals): a part whose reducer came late (``came_late``), which more finished members
+        (not banned, nor dropped for a lie) landed without than with our mean of it. The
+        reducer of such a part produced it after those members had landed without it;
+        landing it would leave us apart from them."""
+        mine = self.digests()
+        finals = [f for i, f in self.finals.items() if self._believed(i)]
+        out = []
+        for j in range(self.n):
+            if not mine[j] or j in self.convicted or not finals or not self.came_late(j):
+                continue
+            without = sum(1 for f in finals if not f[j])
+            if without > sum(1 for f in finals if f[j] == mine[j]):
+                log.warning("falling back on a part the members that finished first landed without part=%d "
+                            "reducer=%s without=%d of=%d group=%s", j, self.peer_ids[j], without, len(finals),
+                            self.group.group_id.hex())
+                out.append(j)
+        return out
+
+    def apart(self) -> list[int]:
+        """Members (not banned) whose final says they landed other parts than we did."""
+        return [i for i, f in self.finals.items() if self._believed(i) and f != self.landed]
+
+    def _believed(self, i: int) -> bool:
+        """Whether member i's final counts: not banned, nor dropped from this round for a frame
+        that failed a check (a lie, not lateness)."""
+        return self.peer_ids[i] not in self.banned and self.dropped.get(i, "late").startswith(LATE + ("late",))
+
+    def proof_wanted(self) -> list[tuple[int, int]]:
+        """(member, part) pairs to send the proof of the part's equivocation to: every other
+        member that reported holding the part (it may hold either mean)."""
+        return [(i, j) for j in self.convicted for i, rep in self.reports.items()
+                if rep[j] and i != j and (i, j) not in self.proved]
+
+    def forward_wanted(self) -> list[tuple[int, int]]:
+        """(member, part) pairs to forward now: the member reported lacking a part we hold, or
+        holding another mean of it than ours (then our frames and its own prove the reducer
+        equivocated)."""
+        out = []
+        mine = self.digests()
+        for i, rep in self.reports.items():
+            for j, d in enumerate(rep):
+                if self.holds(j) and (i, j) not in self.forwarded and i != j and d != mine[j]:
+                    out.append((i, j))
+        return out

@@ -1,0 +1,93 @@
+"""The screen of one member's round (``peer.allreduce_round.Round``): reduced parts whose mean
+its contributions cannot give, by the norms and dots the members reported
+(``protocol.butterfly``: ``mean_norm_bound``, ``screen_mean``), and what our own report says
+of our pushes. Every member holding the same frames and reports decides alike."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from protocol.butterfly import mean_norm_bound, screen_mean, slice_norm
+
+log = logging.getLogger("peer.allreduce")
+
+
+class ScreenMixin:
+    """``Round``'s screen. Reads the parts we hold, the reports' norms and dots, and the
+    codec's error bound of each mean (``mean_errors``)."""
+
+    def implausible(self) -> list[int]:
+        """Parts we hold whose mean is larger than its contributors' reported norms allow
+        (``protocol.butterfly.mean_norm_bound``): a reducer that scaled its mean up, or sent
+        another, by much. Every member that holds the same frames and reports decides alike,
+        and falls back on the part (a lie we cannot prove: the pushes are not ours to show,
+        so no one is banned for it)."""
+        norms = {**self.report_norms, self.me: self.norms}
+        out = []
+        for j in range(self.n):
+            if not self.holds(j) or j in self.convicted:
+                continue
+            others = [i for i in self.contributors[j] if i != j] or [i for i in range(self.n) if i != j]
+            bound = mean_norm_bound([norms[i][j] for i in others if i in norms], self.clip)
+            s, e = self.bounds[j]
+            if bound is not None and (norm := slice_norm(self.result[s:e])) > bound:
+                log.warning("reduced part too large to be a mean of its contributions norm=%.3g bound=%.3g "
+                            "part=%d reducer=%s group=%s: falling back on it", norm, bound, j, self.peer_ids[j],
+                            self.group.group_id.hex())
+                out.append(j)
+        return out
+
+    def pushing(self, j: int, encoded: list[tuple[int, int, bytes]]) -> None:
+        """Our push of part j, encoded in chunks [(start, end, bytes)]: what its reducer will
+        average, decoded, for our report's norm and dot of it."""
+        s, e = self.bounds[j]
+        out = torch.empty(e - s, dtype=torch.float32)
+        for a, b, payload in encoded:
+            out[a - s:b - s] = self.codec.decode(payload, b - a)
+        self.pushed_out[j] = out
+        self.norms[j] = slice_norm(out)
+
+    def my_dots(self) -> tuple[float, ...]:
+        """Our report's dots (``PartsHeld.dots``): for each part we hold and contributed to,
+        ``<its mean, our push of it>`` in float64; 0.0 where we cannot say."""
+        out = []
+        for j in range(self.n):
+            s, e = self.bounds[j]
+            mine = self.pushed_out.get(j)
+            known = (j != self.me and mine is not None and self.holds(j) and self.me in self.contributors[j])
+            out.append(float(torch.dot(self.result[s:e].double(), mine.double())) if known else 0.0)
+        self.dots = tuple(out)
+        return self.dots
+
+    def inconsistent(self) -> list[int]:
+        """Parts we hold whose mean its contributions cannot give, by the members' reported
+        norms and dots (``protocol.butterfly.mean_consistent``): negated, another vector, or
+        scaled up beyond what the reducer's own slice allows. Every member that holds the same
+        frames and reports decides alike and falls back on the part; the part is audited
+        (``peer.audit``), which proves a wrong mean against its reducer (and bans it). One
+        member's false report (a dot, a norm) cannot make an honest part fail: the screen
+        refuses a mean only if it fits no world with one liar (``screen_mean``). Two colluding
+        members can, so a refusal alone proves nothing: it distrusts and bans nobody (the audit
+        decides), and costs that part's update for the round."""
+        norms = {**self.report_norms, self.me: tuple(self.norms)}
+        dots = {**self.report_dots, self.me: self.dots}
+        out = []
+        for j in range(self.n):
+            if not self.holds(j) or j in self.convicted:
+                continue
+            others = [i for i in self.contributors[j] if i != j]
+            # a contributor that did not report (or reported no norms) may be anything up to the clip
+            said = {i: dots[i][j] if len(dots.get(i, ())) == self.n and dots[i][j] != 0.0 else None for i in others}
+            s, e = self.bounds[j]
+            # summed in offset order, so every member gets the same float whatever order the chunks came in
+            error = math.sqrt(math.fsum(v for _, v in sorted(self.mean_errors[j].items()))) if j in self.mean_errors \
+                else math.inf
+            said_by = [(self.group.weights[i], norms[i][j] if i in norms else None, said[i]) for i in others]
+            if not screen_mean(slice_norm(self.result[s:e]), error, self.clip, self.group.weights[j], said_by):
+                log.warning("reduced part its contributions cannot give (by their reported dots) part=%d reducer=%s "
+                            "group=%s: falling back on it", j, self.peer_ids[j], self.group.group_id.hex())
+                out.append(j)
+        return out
