@@ -19,6 +19,9 @@ from protocol.messages_swarm import Heartbeat, RunAdvertised
 
 log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
 
+MIN_PEERS_POLL_S = 0.5  # between DHT reads while waiting for --min-peers
+LAST_PEER_POLL_S = 0.1  # the same once only one peer is missing
+
 
 class PeersMixin:
     """The peers view and presence of ``peer.node.Node`` (a part of it)."""
@@ -119,7 +122,10 @@ class PeersMixin:
             if time.monotonic() - last_beat >= swarm.heartbeat_interval_s:
                 self._beat(swarm)
                 last_beat = time.monotonic()
-            self.stop_event.wait(0.5)  # poll the DHT; Ctrl+C ends the wait at once
+            # poll the DHT (Ctrl+C ends the wait at once); faster once only the last peer is
+            # missing: the peers start when each sees it, so the poll is how far apart they
+            # start, which the first round's fastest member then waits out at its landing step
+            self.stop_event.wait(MIN_PEERS_POLL_S if len(live) < self.cfg.min_peers - 1 else LAST_PEER_POLL_S)
         log.warning("started with fewer peers than min_peers=%d after %.0f s", self.cfg.min_peers,
                     self.cfg.min_peers_wait_s)
 
