@@ -304,6 +304,7 @@ class Averager(InboundMixin, SendMixin):
                     frames = self._frames(rnd, j, encoded, group.weights[me], None)
                     tasks.append(asyncio.create_task(self._deliver(rnd, j, frames, push_deadline, sent, True)))
             await self._wait(rnd, rnd.pushes_done, push_deadline)
+            phases = [loop.time() - t0]
             rnd.collecting_pushes = False
             for i in range(rnd.n):
                 if i != me and i not in rnd.dropped and rnd.pushed[i] != rnd.size(me):
@@ -322,11 +323,13 @@ class Averager(InboundMixin, SendMixin):
                         tasks.append(asyncio.create_task(self._deliver(rnd, i, frames, end_deadline, sent, False)))
 
             await self._wait_means(rnd, end_deadline)
+            phases.append(loop.time() - t0)
             for j in range(rnd.n):
                 if j != me and j not in rnd.dropped and rnd.got[j] != rnd.size(j):
                     rnd.drop(j, "timeout:reduced part not received in time" if loop.time() >= end_deadline
                              else "timeout:reduced part held by others, not sent to us")
             await self._agree(rnd)
+            phases.append(loop.time() - t0)
             rnd.collecting_means = False
             while True:  # our sends, forwards answering reports that come meanwhile included
                 unsent = [t for t in tasks if not t.done()]
@@ -334,6 +337,8 @@ class Averager(InboundMixin, SendMixin):
                 if not unsent or left <= 0:
                     break
                 await asyncio.wait(unsent, timeout=left)
+            phases.append(loop.time() - t0)
+            log.info("all-reduce phases pushes=%.3f means=%.3f agreed=%.3f sent=%.3f group=%s", *phases, gid.hex())
         finally:
             # from here a report for this group is answered from the finished rounds' parts
             self._active.pop(gid, None)
