@@ -26,7 +26,8 @@ the inner steps each one trained per second between its last two heartbeats, wai
 Below ``SLOW_BELOW`` of it for ``SLOW_FOR`` heartbeat intervals in a row the node is slow, until
 it is back above ``FAST_ABOVE`` (so it does not flap). A peer as fast as the others is never slow
 by this test, since its waits lower the swarm's pace and not its own, so it never moves its
-counter: only the slow one adapts, and a swarm of equals runs exactly its schedule. Equals on
+counter: only the slow one adapts (among equals, the one behind its group's start skips the
+few steps to it when the others start: ``peer.node.syncs._keep_pace``). Equals on
 shared cores are not equal from one second to the next (a peer that is still starting, a
 neighbour's all-reduce): with a bound of 0.75 and no time in it, two of four equal peers on a
 2-core machine took themselves for slow at their 21st step, moved their counters most of a

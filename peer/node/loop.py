@@ -6,7 +6,9 @@ averager. When fragment p's sync starts after step s, its pseudo-gradient is han
 network thread and training goes on; after step s + tau the node lands the average if it is
 there; if not, with tau >= 1 it trains on for a few steps more (``sync_pipeline.late_allowance``:
 its group's last member may be that far behind), then waits for it, and measures that wait
-(``waited_s``); with tau = 0 it waits at once. A sync whose group never formed or
+(``waited_s``); with tau = 0 it waits at once. The last member is spared that far behind:
+within that many steps of a round that half its group's other members started, it starts it
+with them, skipping the rest (``_keep_pace``). A sync whose group never formed or
 whose all-reduce failed lands the node's *own* pseudo-gradient, so a lone or cut-off peer
 keeps training on its own outer steps (and is counted in ``syncs_alone``).
 
@@ -320,7 +322,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             # (sync_pipeline.late_allowance), rather than wait for the last member of its group
             ready = (lambda sync: sync.handle[0].done()) if following or late else None
             max_late = None if following else late
-            for step in self._keep_pace(worker, pipeline, following):  # this step, and any we move on by to keep up
+            for step in self._keep_pace(worker, pipeline, following, late + worker.schedule.overlap if late else 0):
                 # what is in flight decides: a sync landed by a pause is gone. Land before a start
                 # (a round lands before its fragment's next one starts: a follower may have kept
                 # one), and after it (with tau = 0 a sync lands right after it started)

@@ -66,23 +66,32 @@ class SyncMixin:
         their group has formed (``peer.pace``)."""
         return self.signed.manifest.train.sync.follow and self._clock.is_slow(self._own_pace())
 
-    def _keep_pace(self, worker, pipeline, following: bool) -> list[int]:
-        """After an inner step: the steps of the schedule it passed. That step and, while we
-        follow the others (``peer.pace``), up to the start step of a sync whose group has
-        formed and whose other members have started it (half of them have sent us frames):
-        they have handed over their pseudo-gradients, so we hand over ours, with the steps we
-        managed. (Also when matchmaking left us alone, or failed: nothing is to be waited
-        for, and landing now readies us for the fragment's next round.) Groups form right
-        after the previous round lands, most of a round before they start: a follower that
-        moved on when its group had formed trained nothing."""
+    def _keep_pace(self, worker, pipeline, following: bool, slack: int = 0) -> list[int]:
+        """After an inner step: the steps of the schedule it passed. That step and, up to the
+        start step of a sync whose group has formed and whose other members have started it
+        (half of them have sent us frames): they have handed over their pseudo-gradients, so
+        we hand over ours, with the steps we managed. A follower (``peer.pace``) does so from
+        any distance; any other node (with ``sync.follow``) when the start is at most ``slack``
+        steps on (tau plus the late allowance: what a member ahead trains past its landing step
+        before it waits for us). Equal peers drift apart by seconds per round on shared cores,
+        and the members ahead of the last one waited for it every round: now the one behind
+        the group's median start skips its last few steps instead, and nobody idles. (Also
+        when matchmaking left us alone, or failed: nothing is to be waited for, and landing now
+        readies us for the fragment's next round.) Groups form right after the previous round
+        lands, most of a round before they start: a follower that moved on when its group had
+        formed trained nothing."""
         passed = [worker.step]
-        if not following:
+        if not following and (slack <= 0 or not self.signed.manifest.train.sync.follow):
             return passed
         target = worker.step
         for f in pipeline.forming():
-            if f.handle[0].done() and self._others_started(f.handle[0]):
+            near = following or f.starts_after - worker.step <= slack
+            if near and f.starts_after > worker.step and f.handle[0].done() and self._others_started(f.handle[0]):
                 target = max(target, f.starts_after)
-        if target > worker.step and not self.stats.steps_skipped:
+                if not following:
+                    log.info("behind our group's start: starting fragment %d round %d with the others step=%d "
+                             "to=%d", f.fragment, f.round, worker.step, f.starts_after)
+        if target > worker.step and following and not self.stats.steps_skipped:
             log.info("slower than the swarm: starting our syncs when the others do step=%d to=%d",
                      worker.step, target)
         while worker.step < target:

@@ -136,7 +136,9 @@ def test_a_partner_that_pauses_mid_round_does_not_make_the_other_peer_follow(dem
     """A pause starts the rounds whose groups are forming at once, before their start step
     (``_start_forming_now``). Those pushes come early to the partner, which must not take
     that for having kept its group waiting (``peer.pace``): it would follow, and, alone in a
-    swarm of two, move its counter on without training. They are marked ``PushSlice.stopping``."""
+    swarm of two, move its counter on without training; nor start that round early, as a member
+    behind its group's start does when the others started it. They are marked
+    ``PushSlice.stopping``."""
     workdir = Path(tempfile.mkdtemp(prefix="ss-ctl-", dir="/tmp"))
     events = Events()
     demo = Demo(2, rounds=None, workdir=workdir, on_event=events, envs={i: {"SWARMSTREAM_LOG": "INFO"} for i in (0, 1)})
@@ -159,4 +161,8 @@ def test_a_partner_that_pauses_mid_round_does_not_make_the_other_peer_follow(dem
     call(sock, FinishAndStop)
     summary = demo.wait()
     assert summary["errors"] == []
-    assert [s["steps_skipped"] for _, s in sorted(demo.summaries.items())][1] == 0
+    # nor did it start the paused round early as a member behind its group's start does when
+    # the others started it (``_keep_pace``): the pausing peer's early pushes are no start
+    log1 = (workdir / "peer1.log").read_text()
+    assert f"starting fragment {fragment} round {round_} with the others" not in log1, \
+        "the partner of a pausing peer took its early pushes for the group's start"
