@@ -255,12 +255,13 @@ class PendingFrames:
         half = -(-len(peer_ids) // 2)
         return time.monotonic() - came[half - 1] if len(came) >= half else 0.0
 
-    def started(self, gid: bytes, peer_ids: list[str]) -> bool:
-        """Whether half of ``peer_ids`` (rounded up) have sent frames for group ``gid`` that
-        wait for us: they started its all-reduce. Read from the training thread (dict lookups
-        only)."""
+    def started(self, gid: bytes, peer_ids: list[str], majority: bool = False) -> bool:
+        """Whether half of ``peer_ids`` (rounded up; with ``majority``, more than half) have
+        sent frames for group ``gid`` that wait for us: they started its all-reduce. Read from
+        the training thread (dict lookups only)."""
         g = self._groups.get(gid)
-        return g is not None and sum(p in g.first for p in peer_ids) >= -(-len(peer_ids) // 2)
+        need = len(peer_ids) // 2 + 1 if majority else -(-len(peer_ids) // 2)
+        return g is not None and (bool(peer_ids) or not majority) and sum(p in g.first for p in peer_ids) >= need
 
     def _append(self, g: _Group, peer_id: str, item: Any, nbytes: int, charge: int, data: bytes) -> None:
         g.items.append((peer_id, item, nbytes, data))

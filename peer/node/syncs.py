@@ -71,22 +71,37 @@ class SyncMixin:
         start step of a sync whose group has formed and whose other members have started it
         (half of them have sent us frames): they have handed over their pseudo-gradients, so
         we hand over ours, with the steps we managed. A follower (``peer.pace``) does so from
-        any distance; any other node (with ``sync.follow``) when the start is at most ``slack``
-        steps on (tau plus the late allowance: what a member ahead trains past its landing step
-        before it waits for us). Equal peers drift apart by seconds per round on shared cores,
-        and the members ahead of the last one waited for it every round: now the one behind
-        the group's median start skips its last few steps instead, and nobody idles. (Also
-        when matchmaking left us alone, or failed: nothing is to be waited for, and landing now
-        readies us for the fragment's next round.) Groups form right after the previous round
-        lands, most of a round before they start: a follower that moved on when its group had
-        formed trained nothing."""
+        any distance (also when matchmaking left it alone, or failed: nothing is to be waited
+        for, and landing now readies it for the fragment's next round). Groups form right after
+        the previous round lands, most of a round before they start: a follower that moved on
+        when its group had formed trained nothing.
+
+        Any other node (with ``sync.follow`` and tau >= 1) does so only behind its group's
+        median start: the group formed with other members, more than half of them started it
+        (``PushSlice.stopping`` frames and banned members' not counted), its start step is at
+        most ``slack`` steps on (tau plus the late allowance: what a member ahead trains past
+        its landing step before it waits for us), and no sync of ours is in flight (skipping
+        could take us past its landing deadline and block on it). Equal peers drift apart by
+        seconds per round on shared cores, and the members ahead of the last one waited for it
+        every round: now the one behind skips its last few steps instead, and nobody idles.
+        Its groups carry the weights they were joined with, so a skip makes them claim up to
+        ``slack`` steps per skip more than were trained. A lone node has no group to start with
+        and skips nothing. A liar in a group of two can make us skip up to ``slack`` steps at
+        each start by pushing early; it could already make us a follower, which skips from any
+        distance, by pushing a fifth of a round early (``peer.pace``)."""
         passed = [worker.step]
         if not following and (slack <= 0 or not self.signed.manifest.train.sync.follow):
             return passed
         target = worker.step
         for f in pipeline.forming():
-            near = following or f.starts_after - worker.step <= slack
-            if near and f.starts_after > worker.step and f.handle[0].done() and self._others_started(f.handle[0]):
+            if f.starts_after <= worker.step or not f.handle[0].done():
+                continue
+            if following:
+                started = self._others_started(f.handle[0])
+            else:
+                started = (f.starts_after - worker.step <= slack and not pipeline.in_flight()
+                           and self._others_started(f.handle[0], median=True))
+            if started:
                 target = max(target, f.starts_after)
                 if not following:
                     log.info("behind our group's start: starting fragment %d round %d with the others step=%d "
@@ -127,17 +142,19 @@ class SyncMixin:
                 log.info("the others started fragment %d round %d while we were %d steps short of it: slower "
                          "than the swarm, following its rounds", f.fragment, f.round, f.starts_after - worker.step)
 
-    def _others_started(self, group_future) -> bool:
+    def _others_started(self, group_future, median: bool = False) -> bool:
         """Whether half the other members of a formed group have sent us frames for it (they
-        started its all-reduce); True for no group, or a failed formation: nothing to wait for."""
+        started its all-reduce); True for no group, or a failed formation: nothing to wait for.
+        ``median``: more than half, and False for no group, a failed formation, or a group
+        with no other member."""
         try:
             group = group_future.result()
         except Exception:
-            return True
+            return not median
         if group is None:
-            return True
+            return not median
         others = [peer_id_from_public_key(k) for k in group.members if k != self.identity.public_key]
-        return self.averager.pending.started(bytes(group.group_id), others)
+        return self.averager.pending.started(bytes(group.group_id), others, majority=median)
 
     def _submit_forming(self, fragment: int, round_: int, weight: float, follow: tuple[float, float] | None = None
                         ) -> tuple[Any, float]:

@@ -218,6 +218,11 @@ def test_only_pushes_of_members_that_started_at_their_step_count_as_waiting_for_
     assert not av.pending.started(gid, ids) and av.pending.waited(gid, ids) == 0.0  # ...none waits for us
     av._on_frame(ids[1], frame(gid, signer=others[1]))
     assert av.pending.started(gid, ids)  # one of two started at its step and waits
+    # not more than half: a member behind the group's start does not skip to it for one of two
+    assert not av.pending.started(gid, ids, majority=True)
+    av._on_frame(ids[0], frame(gid, signer=others[0]))
+    assert av.pending.started(gid, ids, majority=True)
+    assert not av.pending.started(gid, [], majority=True)  # no other member: nobody started it
 
 
 def test_a_banned_members_early_pushes_do_not_count_as_waiting_for_us():
