@@ -26,6 +26,7 @@ its groups and the groups' order.
     python bench/liar.py                          # 5 pairs, push1000+mean1000+withhold (~25 min)
     python bench/liar.py --pairs 2 --rounds 6     # ~8 min
     python bench/liar.py --lies lie:push1e30+short+replay+equivocate --busy 2
+    python bench/liar.py --follow --pairs 3      # the run's default pacing: honest peers may skip steps
 """
 
 from __future__ import annotations
@@ -59,11 +60,12 @@ def t95(df: int) -> float:
     return T95[max(fits)] if fits else T95[1]
 
 
-def setup(root: Path, allreduce_timeout_s: float) -> Path:
+def setup(root: Path, allreduce_timeout_s: float, follow: bool = False) -> Path:
     """A run's manifest and the keys of its peers 0..3, shared by the two runs of a pair. Each
     pair gets a manifest of its own (its creation time differs, so its run ID, which seeds the
     data order): the runs of one manifest repeat each other, so pairs of one manifest would
-    measure one outcome again and again."""
+    measure one outcome again and again. ``follow``: the run's defaults (``sync.follow``, a late
+    share of 0.1) instead of lockstep."""
     from peer.demo import demo_manifest
     from protocol.identity import Identity
 
@@ -73,8 +75,8 @@ def setup(root: Path, allreduce_timeout_s: float) -> Path:
         key = out / f"peer{i}.key"
         key.write_bytes(Identity.from_seed(bytes([i + 1]) * 32).to_libp2p())
         key.chmod(0o600)
-    manifest = demo_manifest(4, out / "peer0.key", swarm={"allreduce_timeout_s": allreduce_timeout_s},
-                             late_share=0.0, follow=False)
+    pace = {} if follow else {"late_share": 0.0, "follow": False}
+    manifest = demo_manifest(4, out / "peer0.key", swarm={"allreduce_timeout_s": allreduce_timeout_s}, **pace)
     (out / "demo.swarmrun").write_bytes(manifest)
     return out
 
@@ -125,6 +127,7 @@ def one_run(workdir: Path, setup_dir: Path, rounds: int, lies: str | None) -> di
             "agree": len({x["global_digest"] for x in s}) == 1,
             "alone": sum(x["syncs_alone"] for x in s),
             "skipped": sum(x["steps_skipped"] for x in s),
+            "trained": sum(x["steps_trained"] for x in s),
             "wall_s": time.perf_counter() - t0}
 
 
@@ -136,6 +139,9 @@ def main() -> int:
                     help="what peer 3 does (SWARMSTREAM_FAULT; default: %(default)s)")
     ap.add_argument("--allreduce-timeout", type=float, default=8.0, help="the run's all-reduce deadline (s)")
     ap.add_argument("--busy", type=int, default=0, help="busy loops beside the runs (default 0)")
+    ap.add_argument("--follow", action="store_true",
+                    help="the run's default pacing (sync.follow, late share 0.1) instead of lockstep: peers "
+                         "behind the others skip steps, so the two runs of a pair train different tokens")
     ap.add_argument("--keep", action="store_true", help="keep the runs' directories (peer logs)")
     ap.add_argument("--out", help="JSON path (default bench/results/liar.json)")
     args = ap.parse_args()
@@ -149,7 +155,7 @@ def main() -> int:
     rows = []
     try:
         for k in range(args.pairs):
-            setup_dir = setup(root / f"setup{k}", args.allreduce_timeout)
+            setup_dir = setup(root / f"setup{k}", args.allreduce_timeout, args.follow)
             order = ("baseline", "attacked") if k % 2 == 0 else ("attacked", "baseline")
             runs = {}
             for side in order:
@@ -160,7 +166,7 @@ def main() -> int:
             rows.append({"pair": k + 1, "first": order[0], "baseline": b["loss"], "attacked": a["loss"],
                          "diff_pct": 100.0 * (a["loss"] - b["loss"]) / b["loss"],
                          "agree": f"{b['agree']}/{a['agree']}", "alone": f"{b['alone']}/{a['alone']}",
-                         "skipped": f"{b['skipped']}/{a['skipped']}",
+                         "skipped": f"{b['skipped']}/{a['skipped']}", "trained": f"{b['trained']}/{a['trained']}",
                          "wall_s": b["wall_s"] + a["wall_s"], "runs": runs})
     finally:
         for p in busy:
@@ -170,17 +176,19 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
 
     print(f"\nheld-out loss of the honest peers after {args.rounds} rounds, with and without {args.lies}"
-          f" (lockstep; agree, alone and skipped: baseline/attacked)")
+          f" ({'follow' if args.follow else 'lockstep'}; agree, alone, skipped and trained steps of the honest peers: baseline/attacked)")
     print_table(rows, [("pair", "pair", "d"), ("first", "first", "s"), ("baseline", "baseline", ".4f"),
                        ("attacked", "attacked", ".4f"), ("diff_pct", "diff %", "+.2f"), ("agree", "agree", "s"),
-                       ("alone", "alone", "s"), ("skipped", "skipped", "s"), ("wall_s", "wall s", ".0f")])
+                       ("alone", "alone", "s"), ("skipped", "skipped", "s"),
+                       ("trained", "trained", "s"), ("wall_s", "wall s", ".0f")])
     diffs = [r["diff_pct"] for r in rows]
     mean = statistics.fmean(diffs)
     half = t95(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.inf
     print(f"\nmean difference {mean:+.2f}% (95% CI {mean - half:+.2f}% .. {mean + half:+.2f}%), "
           f"range {min(diffs):+.2f}% .. {max(diffs):+.2f}%, over {len(diffs)} pairs")
     out = write_json(args.out, "liar", {
-        "lies": args.lies, "rounds": args.rounds, "pairs": args.pairs, "busy_loops": args.busy,
+        "lies": args.lies, "rounds": args.rounds, "pacing": "follow" if args.follow else "lockstep",
+        "pairs": args.pairs, "busy_loops": args.busy,
         "allreduce_timeout_s": args.allreduce_timeout, "rows": rows,
         "mean_diff_pct": mean, "ci95_pct": [mean - half, mean + half] if math.isfinite(half) else None,
         "max_diff_pct": max(diffs), "min_diff_pct": min(diffs)})
