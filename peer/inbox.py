@@ -261,7 +261,7 @@ class PendingFrames:
         the training thread (dict lookups only)."""
         g = self._groups.get(gid)
         need = len(peer_ids) // 2 + 1 if majority else -(-len(peer_ids) // 2)
-        return g is not None and (bool(peer_ids) or not majority) and sum(p in g.first for p in peer_ids) >= need
+        return g is not None and sum(p in g.first for p in peer_ids) >= need  # none of none: False
 
     def _append(self, g: _Group, peer_id: str, item: Any, nbytes: int, charge: int, data: bytes) -> None:
         g.items.append((peer_id, item, nbytes, data))

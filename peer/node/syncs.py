@@ -100,7 +100,7 @@ class SyncMixin:
                 started = self._others_started(f.handle[0])
             else:
                 started = (f.starts_after - worker.step <= slack and not pipeline.in_flight()
-                           and self._others_started(f.handle[0], median=True))
+                           and self._others_started(f.handle[0], majority=True))
             if started:
                 target = max(target, f.starts_after)
                 if not following:
@@ -142,19 +142,19 @@ class SyncMixin:
                 log.info("the others started fragment %d round %d while we were %d steps short of it: slower "
                          "than the swarm, following its rounds", f.fragment, f.round, f.starts_after - worker.step)
 
-    def _others_started(self, group_future, median: bool = False) -> bool:
+    def _others_started(self, group_future, majority: bool = False) -> bool:
         """Whether half the other members of a formed group have sent us frames for it (they
         started its all-reduce); True for no group, or a failed formation: nothing to wait for.
-        ``median``: more than half, and False for no group, a failed formation, or a group
+        ``majority``: more than half, and False for no group, a failed formation, or a group
         with no other member."""
         try:
             group = group_future.result()
         except Exception:
-            return not median
+            return not majority
         if group is None:
-            return not median
+            return not majority
         others = [peer_id_from_public_key(k) for k in group.members if k != self.identity.public_key]
-        return self.averager.pending.started(bytes(group.group_id), others, majority=median)
+        return self.averager.pending.started(bytes(group.group_id), others, majority=majority)
 
     def _submit_forming(self, fragment: int, round_: int, weight: float, follow: tuple[float, float] | None = None
                         ) -> tuple[Any, float]:
