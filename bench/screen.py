@@ -5,8 +5,10 @@ run (the simulation: the same arithmetic as the swarm, ``peer.simulation.reduce_
 At every fragment sync of a simulated run, for each part of each group: the honest mean, and
 lies a reducer could tell in its place (negated; x1.5; x3; another part's mean of the same
 size; negated with the mean withheld from one member, which then cannot say its dot), each
-screened as every member would screen it from the reports; and the honest mean with one
-member reporting a false dot (negated, x10), which must not make it fail. Also the pairwise cosine of the
+screened as every member would screen it from the reports, with the reducer's own slice
+vouched for by its two witnesses (``witnesses_of``, as the swarm does) and without (as it did
+before them); and the honest mean with one member (a witness) reporting false dots (negated,
+x10), which must not make it fail. Also the pairwise cosine of the
 members' slices, which decides how much room a negation leaves.
 
     python bench/screen.py                        # tiny preset, 4 workers, H=50, P=2, fp4
@@ -28,22 +30,28 @@ from benchutil import print_table, write_json  # noqa: E402
 from peer import simulation  # noqa: E402
 from peer.data import load_corpus  # noqa: E402
 from peer.simulation import SimulationConfig, run_simulation  # noqa: E402
-from protocol.butterfly import screen_mean, slice_bounds, slice_norm  # noqa: E402
+from protocol.butterfly import screen_mean, slice_bounds, slice_norm, witnessed, witnesses_of  # noqa: E402
 from protocol.config import DataConfig, InnerConfig, SyncConfig, TrainConfig, model_preset  # noqa: E402
 
 LIES = ("honest", "honest, one false dot", "negated", "x1.5", "x3", "another part", "negated, one silent")
 
 
 def screened(mean: torch.Tensor, payload: bytes, codec, clip: float, weights, j: int, slices, silent=None,
-             framer=None) -> bool:
+             framer=None, witnesses: bool = True) -> bool:
     """Whether every member keeps the part (the screen passes), as ``Round.inconsistent`` decides.
-    ``silent`` did not say its dot; ``framer`` reported its dot negated and x10."""
-    others = [i for i in range(len(slices)) if i != j]
-    dots = {i: float(torch.dot(mean.double(), slices[i].double())) for i in others}
-    if framer is not None:
-        dots[framer] *= -10
+    ``silent`` did not say its dot (nor vouch, as a witness); ``framer`` reported its dots
+    (and its vouch, as a witness) negated and x10. ``witnesses``: as the swarm screens now,
+    with the reducer's own slice vouched for by its witnesses (``witnesses_of``; a fixed
+    group ID), else as it did before them."""
+    n = len(slices)
+    others = [i for i in range(n) if i != j]
+    dots = {i: float(torch.dot(mean.double(), slices[i].double())) for i in range(n)}
+    lied = {i: -10 * d for i, d in dots.items()}
+    vouched = [(w, slice_norm(slices[j]), lied[j] if w == framer else dots[j])
+               for w in (witnesses_of(j, n, b"g" * 16) if witnesses and witnessed(n, clip) else ()) if w != silent]
     return screen_mean(slice_norm(mean), codec.error_bound(payload, mean.numel()), clip, weights[j],
-                       [(weights[i], slice_norm(slices[i]), None if i == silent else dots[i]) for i in others])
+                       [(weights[i], slice_norm(slices[i]), None if i == silent else lied[i] if i == framer else dots[i])
+                        for i in others], reporters=others, vouched=vouched)
 
 
 def main() -> None:
@@ -66,7 +74,7 @@ def main() -> None:
     sync = SyncConfig(method="diloco", inner_steps=args.inner_steps, fragments=args.fragments, overlap=0,
                       codec=args.codec, clip=args.clip)
     tc = TrainConfig(model=model, data=data, inner=inner, sync=sync)
-    kept = {lie: [] for lie in LIES}
+    kept = {(lie, w): [] for lie in LIES for w in (False, True)}
     cosines: list[float] = []
     real = simulation.allreduce
 
@@ -88,10 +96,14 @@ def main() -> None:
                     "negated, one silent": -mean}
             for lie, m in told.items():
                 p = payload if lie.startswith("honest") else codec.encode(m)
-                silent = (j + 1) % n if lie.endswith("silent") else None
-                framer = (j + 1) % n if lie.endswith("false dot") else None
-                kept[lie].append(screened(codec.decode(p, m.numel()), p, codec, clip, weights, j, slices, silent,
-                                          framer))
+                # the member lied about or silent is a witness of j where j has them
+                silent = witnesses_of(j, n, b"g" * 16)[0] if lie.endswith("silent") and n > 2 else (
+                    (j + 1) % n if lie.endswith("silent") else None)
+                framer = witnesses_of(j, n, b"g" * 16)[0] if lie.endswith("false dot") and n > 2 else (
+                    (j + 1) % n if lie.endswith("false dot") else None)
+                for w in (False, True):
+                    kept[lie, w].append(screened(codec.decode(p, m.numel()), p, codec, clip, weights, j, slices,
+                                                 silent, framer, w))
         return real(vectors, weights, codec, clip)
 
     simulation.allreduce = watched
@@ -100,10 +112,10 @@ def main() -> None:
           f"P={args.fragments}, {args.codec}, clip {args.clip:g} ...", file=sys.stderr, flush=True)
     run_simulation(SimulationConfig(train=tc, workers=args.workers, steps=args.steps, eval_batches=2), corpus)
 
-    rows = [{"told": lie, "parts": len(v), "kept": sum(v), "refused_share": 1 - sum(v) / max(1, len(v))}
-            for lie, v in kept.items()]
-    print_table(rows, [("told", "what the reducer sent", "s"), ("parts", "parts", "d"), ("kept", "kept", "d"),
-                       ("refused_share", "refused", ".0%")])
+    rows = [{"told": lie, "witnesses": w, "parts": len(v), "kept": sum(v), "refused_share": 1 - sum(v) / max(1, len(v))}
+            for (lie, w), v in kept.items()]
+    print_table(rows, [("told", "what the reducer sent", "s"), ("witnesses", "witnesses", "s"), ("parts", "parts", "d"),
+                       ("kept", "kept", "d"), ("refused_share", "refused", ".0%")])
     cos = {"median": statistics.median(cosines), "min": min(cosines), "max": max(cosines)} if cosines else {}
     if cos:
         print(f"cosine of two members' slices: median {cos['median']:.2f}, range {cos['min']:.2f} to {cos['max']:.2f}")

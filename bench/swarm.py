@@ -190,7 +190,7 @@ def expected_bytes_per_round(train: TrainConfig, n: int) -> float:
     codec = get_codec(train.sync.codec)
     total = 0.0
     for frag in Worker(train).outer:
-        total += sum(bytes_sent(frag.global_flat.numel(), n, codec.encoded_size)) / n
+        total += sum(bytes_sent(frag.global_flat.numel(), n, codec.encoded_size, witness=bool(train.sync.clip))) / n
     return total
 
 

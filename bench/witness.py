@@ -1,20 +1,30 @@
-"""Would a witness let small groups refuse a wrong mean before it lands? (issue 12; a design
+"""Would witnesses let small groups refuse a wrong mean before it lands? (issue 12; a design
 study, not the round's code.)
 
 Today the in-round screen (``protocol.butterfly.screen_mean``) has two unknowns: the reducer's
 own slice, which only the reducer knows, and one member whose report may be false. In groups
-of 4-5 they leave room for a negated mean (``bench/screen.py``). With a *witness*, the reducer
-sends its own slice, encoded like any push, to one other member and averages that encoded
-slice; the witness reports the mean's dot with it like its own. The reducer's term is then a
-report like any other, and the screen keeps only the one false report it already allows.
+of 3-4 they leave room for a negated mean (``bench/screen.py``). With *witnesses*, the reducer
+sends its own slice, encoded like any push, to ``w`` other members and averages that encoded
+slice; each witness reports the mean's dot with it like its own.
 
-This simulates both on synthetic pseudo-gradients (k slices of pairwise correlation ``rho``,
-norms within 10%, equal weights; the generator of ``tests/unit/test_mean_screen.py``), fp4,
-clip 2, the screen's own code: per group size and correlation, how many means of each kind
-every member refuses. ``falsedot``: one member reports minus three times its true dot.
-``foreign``: another part's mean, cut to this part's length.
+What decides whether that helps: a witness is a member, and the screen must allow any one
+member to lie, the witness included, in *all* of its reports at once. With one witness, the
+world in which the witness lies has both unknowns again, so the screen refuses no more than
+it does today in groups of 3-4 (an earlier version of this study counted the witness's two
+reports as two members' and overstated it). With two witnesses whose reports agree, every
+world keeps the reducer's term known through the witness that does not lie.
 
-    python bench/witness.py                  # groups of 3-6, rho 0.3 and 0.73, 12 seeds (~2 min)
+This simulates 0, 1 and 2 witnesses on synthetic pseudo-gradients (k slices of pairwise
+correlation ``rho``, norms within 10%, equal weights; the generator of
+``tests/unit/test_mean_screen.py``), fp4, clip 2, with the screen's own code (``screen_mean``
+and its vouches): per group size and correlation, how many means of each kind every member
+refuses. ``falsedot``: the member after the reducer (the first witness) reports minus three
+times each of its true dots, in its own entry and in its vouch. ``foreign``: another part's
+mean, cut to this part's length. The swarm uses two (``protocol.butterfly.WITNESSES``); a
+reducer cannot send its two witnesses different slices without proving its lie, since its
+mean commits to the one it averages (``SliceAveraged.own``).
+
+    python bench/witness.py                  # groups of 3-6, rho 0.3 and 0.73, 12 seeds (~3 min)
 """
 
 from __future__ import annotations
@@ -47,37 +57,36 @@ def group(seed: int, k: int, rho: float, spread: float = 1.1) -> list[torch.Tens
             * float(1 + (spread - 1) * torch.rand(1, generator=g)) for _ in range(k)]
 
 
-def refusals(k: int, rho: float, seeds: int, witness: bool, codec_name: str = "fp4", clip: float = 2.0) -> dict:
-    """Per kind of mean: [refused, screened] over every part of ``seeds`` groups."""
+def refusals(k: int, rho: float, seeds: int, witnesses: int, codec_name: str = "fp4", clip: float = 2.0) -> dict:
+    """Per kind of mean: [refused, screened] over every part of ``seeds`` groups, as every
+    member screens it (``screen_mean``) with the reducer's own slice vouched for by
+    ``witnesses`` members (the first ones after it; 0: as the swarm did before witnesses)."""
     codec = get_codec(codec_name)
     out = {kind: [0, 0] for kind in KINDS}
     for seed in range(seeds):
         vecs = group(seed, k, rho)
         bounds = slice_bounds(N, k)
         for j, (s, e) in enumerate(bounds):
-            if witness:  # the reducer averages its own slice as encoded, as the witness sees it
-                vecs_j = [v.clone() for v in vecs]
-                vecs_j[j][s:e] = codec.decode(codec.encode(vecs[j][s:e]), e - s)
-            else:
-                vecs_j = vecs
-            payload, slices, _ = simulation.reduce_part(vecs_j, [1.0 / k] * k, j, codec, clip)
+            # the reducer averages its own slice as encoded, as its witnesses get it
+            payload, slices, _ = simulation.reduce_part(vecs, [1.0 / k] * k, j, codec, clip)
             mean = codec.decode(payload, e - s)
             s2, e2 = bounds[(j + 1) % k]
             other = torch.stack([v[s2:e2] for v in vecs]).mean(0)
-            foreign = torch.cat([other, other])[: e - s]
             told = {"honest": mean, "falsedot": mean, "negated": -mean, "x1.5": 1.5 * mean, "x3": 3 * mean,
-                    "foreign": foreign}
-            members = [i for i in range(k) if witness or i != j]  # with a witness, j's term is reported
+                    "foreign": torch.cat([other, other])[: e - s]}
+            wits = [(j + 1 + t) % k for t in range(witnesses)]
+            others = [i for i in range(k) if i != j]
             for kind, m in told.items():
                 data = codec.encode(m)
                 m = codec.decode(data, e - s)
-                reports = [(1.0, slice_norm(slices[i]), float(torch.dot(m.double(), slices[i].double())))
-                           for i in members]
-                if kind == "falsedot":
-                    w, n, d = reports[-1]
-                    reports[-1] = (w, n, -3.0 * abs(d))
-                ok = screen_mean(slice_norm(m), codec.error_bound(data, e - s), clip, 0.0 if witness else 1.0,
-                                 reports)
+                norms = [slice_norm(x) for x in slices]
+                dots = [float(torch.dot(m.double(), x.double())) for x in slices]
+                liar = (j + 1) % k if kind == "falsedot" else None  # a witness, where there are any
+                said = [-3.0 * abs(d) for d in dots]
+                ok = screen_mean(slice_norm(m), codec.error_bound(data, e - s), clip, 1.0,
+                                 [(1.0, norms[i], said[i] if i == liar else dots[i]) for i in others],
+                                 reporters=others,
+                                 vouched=[(w, norms[j], said[j] if w == liar else dots[j]) for w in wits])
                 out[kind][0] += not ok
                 out[kind][1] += 1
     return out
@@ -100,13 +109,13 @@ def main() -> int:
     rows = []
     for k in sizes:
         for rho in rhos:
-            for witness in (False, True):
-                r = refusals(k, rho, args.seeds, witness)
-                rows.append({"k": k, "rho": rho, "screen": "witness" if witness else "today",
+            for witnesses in (0, 1, 2):
+                r = refusals(k, rho, args.seeds, witnesses)
+                rows.append({"k": k, "rho": rho, "witnesses": witnesses,
                              **{kind: f"{r[kind][0]}/{r[kind][1]}" for kind in KINDS}})
-                print(f"group of {k}, rho {rho}, {rows[-1]['screen']}: done", flush=True)
-    print("\nmeans refused by the screen (fp4, clip 2, equal weights), today and with a witness")
-    print_table(rows, [("k", "k", "d"), ("rho", "rho", ".2f"), ("screen", "screen", "s")]
+                print(f"group of {k}, rho {rho}, {witnesses} witness(es): done", flush=True)
+    print("\nmeans refused by the screen (fp4, clip 2, equal weights), today (0 witnesses) and with 1 or 2")
+    print_table(rows, [("k", "k", "d"), ("rho", "rho", ".2f"), ("witnesses", "witnesses", "d")]
                 + [(kind, kind, "s") for kind in KINDS])
     out = write_json(args.out, "witness", {"codec": "fp4", "clip": 2.0, "seeds": args.seeds, "rows": rows})
     print(f"wrote {out}")

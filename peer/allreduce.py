@@ -100,7 +100,7 @@ from hivemind.p2p import P2P
 
 from peer.allreduce_inbound import InboundMixin
 from peer.allreduce_round import Round
-from peer.allreduce_send import HEAD_ROOM, SendMixin, chunk_elements, chunk_spans
+from peer.allreduce_send import HEAD_ROOM, SendMixin, chunk_elements, encode_chunks
 from peer.audit import Audits
 from peer.inbox import PendingFrames, StreamEnded, StreamGate
 from peer.ratelimit import RateLimiter
@@ -115,8 +115,9 @@ __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_ele
 
 log = logging.getLogger(__name__)
 
-HANDLER_PREFIX = "swarmstream-avg-v7-"  # v2: acknowledged frames (peer.outbox); v3: norms; v4: audits; v5: finals;
-# v6: PushSlice.stopping; v7: PartsHeld.dots, and norms of the pushes as decoded
+HANDLER_PREFIX = "swarmstream-avg-v8-"  # v2: acknowledged frames (peer.outbox); v3: norms; v4: audits; v5: finals;
+# v6: PushSlice.stopping; v7: PartsHeld.dots, and norms of the pushes as decoded; v8: witnesses (a reducer's own
+# slice, encoded, to two members; SliceAveraged.own, PartsHeld.witness)
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
 AGREE_GRACE = 1.0  # reports and forwarded parts by (1 + AGREE_GRACE) * deadline_s
 ELSEWHERE_GRACE = 0.1  # of deadline_s: a part others reported holding this long is not waited for
@@ -285,7 +286,7 @@ class Averager(InboundMixin, SendMixin):
         kept_waiting = self._pending.waited(gid, [p for i, p in enumerate(rnd.peer_ids) if i != me])
         for peer_id, item, nbytes, data in self._pending.pop(gid):  # in arrival order
             if isinstance(item, StreamEnded):
-                rnd.stream_ended(peer_id, item.kind)
+                rnd.stream_ended(peer_id, item.kind, item.part)
             elif isinstance(item, str):
                 if peer_id in rnd.index:
                     rnd.drop(rnd.index[peer_id], item)
@@ -296,6 +297,12 @@ class Averager(InboundMixin, SendMixin):
             push_deadline = t0 + group.deadline_s
             end_deadline = t0 + (1 + RESULT_GRACE) * group.deadline_s
             rnd.agree_deadline = t0 + (1 + RESULT_GRACE + AGREE_GRACE) * group.deadline_s
+            if rnd.size(me):  # our own slice, as we will average it, and as our witnesses get it
+                s, e = rnd.bounds[me]
+                own = encode_chunks(rnd, me, vec[s:e], self.max_frame_bytes)
+                rnd.own(own, self._frames(rnd, me, own, group.weights[me], None))
+                for w in rnd.witnesses[me]:
+                    tasks.append(asyncio.create_task(self._deliver(rnd, w, rnd.own_frames, push_deadline, sent, False)))
             for j in range(rnd.n):
                 if j != me and rnd.size(j):
                     s, e = rnd.bounds[j]
@@ -312,9 +319,9 @@ class Averager(InboundMixin, SendMixin):
 
             if rnd.size(me):
                 mean, contrib, total = rnd.reduce()
-                inputs = rnd.commit(contrib, chunk_spans(*rnd.bounds[me], chunk_elements(self.max_frame_bytes)))
+                inputs = rnd.commit(contrib)
                 encoded = self._encode(rnd, me, mean)
-                frames = self._frames(rnd, me, encoded, total, contrib, inputs)
+                frames = self._frames(rnd, me, encoded, total, contrib, inputs, rnd.own_digests())
                 rnd.reduced(contrib, encoded, frames)
                 # a banned member on time is alive: it needs our part too (one dropped as late
                 # gets it as any late member does, forwarded on its report)
@@ -355,7 +362,7 @@ class Averager(InboundMixin, SendMixin):
         fallback, implausible, conformed = landing.fallback, landing.implausible, landing.conformed
         self._tell_landed(rnd, [i for i in range(rnd.n) if i != me and i not in rnd.finals and i not in rnd.gone])
         rnd.retire()
-        self.audits.after(rnd, fallback, suspect=landing.inconsistent)
+        self.audits.after(rnd, fallback, suspect=landing.inconsistent + rnd.unwitnessed)
         if landing.disputed:
             log.warning("members hold different means of one part parts=%s group=%s: its reducer sent "
                         "different ones", list(landing.disputed), gid.hex())
@@ -376,7 +383,8 @@ class Averager(InboundMixin, SendMixin):
         rnd.early = not rnd.heard_from_anyone()
         rnd.reported = rnd.digests()
         report = PartsHeld(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id,
-                           digests=rnd.reported, norms=tuple(rnd.norms), dots=rnd.my_dots())
+                           digests=rnd.reported, norms=tuple(rnd.norms), dots=rnd.my_dots(),
+                           witness=rnd.witness_report())
         frames = [seal_parts(report, self.identity)]
         for i in range(rnd.n):
             if i != rnd.me and not rnd.dropped.get(i, "").startswith("unreachable"):

@@ -24,7 +24,7 @@ class InboundMixin:
 
     async def _handle_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer_id = info.peer_id.to_base58()
-        carried: set[tuple[bytes, type]] = set()  # (group, PushSlice or SliceAveraged) this stream carried
+        carried: set[tuple[bytes, type, int]] = set()  # (group, PushSlice or SliceAveraged, part) it carried
         try:
             async with self._gate.stream(peer_id):
                 while True:
@@ -52,8 +52,8 @@ class InboundMixin:
         finally:
             writer.close()
 
-    def _on_frame(self, peer_id: str, data: bytes) -> tuple[bytes, type] | None:
-        """Handle one frame; -> (group ID, message type) of a slice or part the stream's peer
+    def _on_frame(self, peer_id: str, data: bytes) -> tuple[bytes, type, int] | None:
+        """Handle one frame; -> (group ID, message type, part) of a slice or part the stream's peer
         sent for itself (what its stream's end says something about), else None."""
         try:
             v = verify(data, expect=(PushSlice, SliceAveraged, PartsHeld, AuditRequest, Evidence), run_id=self.run_id,
@@ -98,16 +98,16 @@ class InboundMixin:
                                    waits=isinstance(v.message, PushSlice) and not v.message.stopping
                                    and peer_id not in self.banned):
             return None  # dropped at a limit of ours: its stream's end says nothing about the sender
-        return None if isinstance(v.message, PartsHeld) else (gid, type(v.message))
+        return None if isinstance(v.message, PartsHeld) else (gid, type(v.message), v.message.part)
 
-    def _stream_ended(self, peer_id: str, carried: set[tuple[bytes, type]]) -> None:
+    def _stream_ended(self, peer_id: str, carried: set[tuple[bytes, type, int]]) -> None:
         """The peer closed a stream that carried its slices or parts: any it left short stay so."""
-        for gid, kind in carried:
+        for gid, kind, part in carried:
             rnd = self._active.get(gid)
             if rnd is not None:
-                rnd.stream_ended(peer_id, kind)
+                rnd.stream_ended(peer_id, kind, part)
             else:
-                self._pending.note(gid, peer_id, StreamEnded(kind))
+                self._pending.note(gid, peer_id, StreamEnded(kind, part))
 
 
     def _blame(self, peer_id: str, gid: bytes | None, reason: str) -> None:

@@ -48,31 +48,32 @@ import msgpack
 import torch
 
 from protocol.audit import contribution_digest, inputs_digest
-from protocol.butterfly import clip_scales, slice_bounds, slice_norm
-from protocol.codecs import Codec, get_codec
+from protocol.butterfly import clip_scales, slice_bounds, slice_norm, witnessed, witnesses_of
+from protocol.codecs import Codec
 from protocol.identity import peer_id_from_public_key
 from protocol.messages import digest
 
 from peer.round_agreement import LATE, AgreementMixin
 from peer.round_intake import MAX_OFFENCES, IntakeMixin
 from peer.round_screen import ScreenMixin
+from peer.round_witness import WitnessMixin
 
 __all__ = ["LATE", "MAX_OFFENCES", "Frame", "Landing", "Round", "part_digest"]
 
 log = logging.getLogger("peer.allreduce")
-
-FP32 = get_codec("fp32")
 
 Frame = list[Any]
 """One frame to send: the sealed envelope's parts (``protocol.envelope.seal_parts``), or the
 received envelope's bytes as one part (to forward it unchanged)."""
 
 
-def part_digest(contributors: tuple[int, ...], chunks: list[tuple[int, int, bytes]]) -> bytes:
+def part_digest(contributors: tuple[int, ...], chunks: list[tuple[int, int, bytes]], own: dict[int, bytes]) -> bytes:
     """Digest of a reduced part: its contributors and, in offset order, each chunk's offset,
-    size and payload digest. Members that got the same signed frames compute the same one."""
+    size, payload digest and ``own`` (the digest of the reducer's own slice's chunk it commits
+    to, by offset). Members that got the same signed frames compute the same one."""
     ordered = sorted(chunks)
-    return digest(msgpack.packb([list(contributors), [[o, n, d] for o, n, d in ordered]], use_bin_type=True))
+    return digest(msgpack.packb([list(contributors), [[o, n, d, own.get(o, b"")] for o, n, d in ordered]],
+                                use_bin_type=True))
 
 
 class Landing(NamedTuple):
@@ -92,7 +93,7 @@ class Landing(NamedTuple):
     """Parts another member reports holding another mean of, not proven equivocated."""
 
 
-class Round(IntakeMixin, AgreementMixin, ScreenMixin):
+class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
     """One member's all-reduce of one group (see the module docstring)."""
 
     def __init__(self, group: Any, me: int, vector: torch.Tensor, codec: Codec, clip: float = 0.0,
@@ -134,7 +135,20 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin):
         self.pushes: dict[int, list[tuple[int, int, Any]]] = {}
         # and as signed: sender -> [(offset, numel, payload digest, frame)], kept to show an auditor
         self.push_frames: dict[int, list[tuple[int, int, bytes, bytes]]] = {}
-        self.own_chunks: list[tuple[int, int, bytes]] = []  # our own slice of our part, raw fp32, chunked
+        # our own slice of our part as we average it: encoded in chunks [(start, end, bytes)], and
+        # as the signed PushSlices our witnesses get (and an auditor)
+        self.own_encoded: list[tuple[int, int, bytes]] = []
+        self.own_frames: list[Frame] = []
+        self.own_chunks: list[tuple[int, int, bytes]] = []  # the same, committed to: [(offset, numel, bytes)]
+        self.witnesses = [witnesses_of(j, self.n, group.group_id) if witnessed(self.n, clip) else ()
+                          for j in range(self.n)]
+        """Member j's witnesses (``protocol.butterfly.witnesses_of``; none in a group without)."""
+        self.witnessing = tuple(j for j in range(self.n) if me in self.witnesses[j])  # the parts we witness
+        # of each part we witness, its reducer's own slice: part -> [(offset, numel, payload, payload digest, frame)]
+        self.witnessed: dict[int, list[tuple[int, int, bytes, bytes, bytes]]] = {j: [] for j in self.witnessing}
+        self.mean_own: dict[int, dict[int, bytes]] = {}  # part -> offset -> its mean chunk's ``own``
+        self.vouches: dict[int, dict[int, tuple[float, float]]] = {}  # part -> witness -> (norm, dot) it vouched
+        self.unwitnessed: list[int] = []  # parts we witness whose mean came and its reducer's own slice did not
         self.pushed = [0] * self.n
         # reduced parts from the other reducers: elements covered and contributors seen
         self.got = [0] * self.n
@@ -191,7 +205,8 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin):
 
     def digests(self) -> tuple[bytes, ...]:
         """Our ``PartsHeld`` report: each part's digest, b"" for parts we lack (or empty ones)."""
-        return tuple(part_digest(self.contributors[j], self.mean_chunks[j]) if self.holds(j) else b""
+        return tuple(part_digest(self.contributors[j], self.mean_chunks[j], self.mean_own.get(j, {}))
+                     if self.holds(j) else b""
                      for j in range(self.n))
 
     def drop(self, i: int, reason: str) -> None:
@@ -235,6 +250,8 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin):
         self.repairs.clear()
         self.pushes.clear()
         self.pushed_out.clear()
+        self.own_encoded = []
+        self.witnessed = {j: [] for j in self.witnessing}
         if not self.own_chunks:
             self.push_frames.clear()
         self.vector = self.vector[:0]
@@ -245,10 +262,13 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin):
         contribution scaled down to ``clip`` x the lower median norm first, as
         peer.simulation.allreduce does it. -> (fp32 mean, contributors, their total weight)."""
         me, (s, e) = self.me, self.bounds[self.me]
+        if sum(b - a for a, b, _ in self.own_encoded) != e - s:
+            raise RuntimeError("Round.own() gives our own slice before reduce()")
         contrib = tuple(i for i in range(self.n)
                         if i == me or (i not in self.dropped and i not in self.excluded and self.pushed[i] == e - s))
         total_w = float(sum(self.group.weights[i] for i in contrib))
-        norms = [slice_norm(self.vector[s:e] if i == me else self._decoded(i)) for i in contrib]
+        own = [(a, b - a, payload) for a, b, payload in self.own_encoded]
+        norms = [slice_norm(self._decoded(i, own if i == me else None)) for i in contrib]
         scales = clip_scales(norms, self.clip)
         acc = torch.zeros(e - s, dtype=torch.float32)
         for i, norm, scale in zip(contrib, norms, scales):
@@ -257,20 +277,26 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin):
                 log.warning("clipped slice norm=%.3g bound=%.3g peer=%s group=%s", norm, scale * norm,
                             self.peer_ids[i], self.group.group_id.hex())
             w = self.group.weights[i] / total_w * scale
-            if i == me:
-                acc.add_(self.vector[s:e], alpha=w)
-            else:
-                for off, cnt, payload in sorted(self.pushes.get(i, ()), key=lambda c: c[0]):
-                    self.codec.decode_add_(acc[off - s:off - s + cnt], payload, w)
+            for off, cnt, payload in sorted(own if i == me else self.pushes.get(i, ()), key=lambda c: c[0]):
+                self.codec.decode_add_(acc[off - s:off - s + cnt], payload, w)
         self.pushes.clear()  # the payloads are no longer needed
         return acc, contrib, total_w
 
-    def commit(self, contrib: tuple[int, ...], chunks: list[tuple[int, int]]) -> bytes:
+    def own(self, encoded: list[tuple[int, int, bytes]], frames: list[Frame]) -> None:
+        """Our own slice of our part, encoded in chunks [(start, end, bytes)] as we average it
+        (``reduce``), and sealed as the ``PushSlice`` frames our witnesses get."""
+        self.own_encoded, self.own_frames = encoded, frames
+
+    def own_digests(self) -> dict[int, bytes]:
+        """Offset -> payload digest of each chunk of our own slice (``SliceAveraged.own`` of our
+        mean's chunk at that offset: we chunk both alike)."""
+        return {a: digest(payload) for a, _, payload in self.own_encoded}
+
+    def commit(self, contrib: tuple[int, ...]) -> bytes:
         """Our commitment to the inputs of our mean (``protocol.audit.inputs_digest``), our own
-        slice cut at ``chunks`` ([start, end) of each frame); the inputs are kept to show a
-        member that audits it."""
+        slice as we encoded it (``own``); the inputs are kept to show a member that audits it."""
         me = self.me
-        self.own_chunks = [(a, b - a, FP32.encode(self.vector[a:b])) for a, b in chunks]
+        self.own_chunks = [(a, b - a, payload) for a, b, payload in self.own_encoded]
         self.push_frames = {i: f for i, f in self.push_frames.items() if i in contrib}
         shares = []
         for i in contrib:
@@ -280,11 +306,12 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin):
             shares.append(contribution_digest(key, w, chunks))
         return inputs_digest(shares)
 
-    def _decoded(self, i: int) -> torch.Tensor:
-        """Member i's push of our slice, decoded whole (for its norm)."""
+    def _decoded(self, i: int, chunks: list[tuple[int, int, Any]] | None = None) -> torch.Tensor:
+        """Member i's push of our slice (or ``chunks`` [(offset, numel, payload)]), decoded whole
+        (for its norm)."""
         s, e = self.bounds[self.me]
         out = torch.empty(e - s, dtype=torch.float32)
-        for off, cnt, payload in self.pushes[i]:
+        for off, cnt, payload in self.pushes[i] if chunks is None else chunks:
             out[off - s:off - s + cnt] = self.codec.decode(payload, cnt)
         return out
 
@@ -297,5 +324,6 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin):
             self.mean_errors[me][a] = self.codec.error_bound(payload, b - a) ** 2
         self.contributors[me] = contrib
         self.mean_chunks[me] = [(a, b - a, digest(payload)) for a, b, payload in encoded]
+        self.mean_own[me] = self.own_digests()
         self.frames[me] = frames
         self.got[me] = self.size(me)

@@ -31,6 +31,12 @@ def chunk_spans(start: int, end: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, end)) for a in range(start, end, step)]
 
 
+def encode_chunks(rnd: Round, part: int, values: torch.Tensor, max_frame_bytes: int) -> list[tuple[int, int, bytes]]:
+    """``values`` (the elements of slice ``part``) encoded in chunks: [(start, end, bytes)]."""
+    s, e = rnd.bounds[part]
+    return [(a, b, rnd.codec.encode(values[a - s:b - s])) for a, b in chunk_spans(s, e, chunk_elements(max_frame_bytes))]
+
+
 class SendMixin:
     """``Averager``'s sends. Uses its identity, handler name, rate limiter and side tasks."""
 
@@ -82,14 +88,14 @@ class SendMixin:
                                  reconnect=self.reconnect)
 
     def _encode(self, rnd: Round, part: int, values: torch.Tensor) -> list[tuple[int, int, bytes]]:
-        """``values`` (the elements of slice ``part``) encoded in chunks: [(start, end, bytes)]."""
-        s, e = rnd.bounds[part]
-        return [(a, b, rnd.codec.encode(values[a - s:b - s]))
-                for a, b in chunk_spans(s, e, chunk_elements(self.max_frame_bytes))]
+        """A push or our mean (``values``, the elements of slice ``part``), encoded in chunks."""
+        return encode_chunks(rnd, part, values, self.max_frame_bytes)
 
     def _frames(self, rnd: Round, part: int, encoded: list[tuple[int, int, bytes]], weight: float,
-                contributors: tuple[int, ...] | None, inputs: bytes = b"") -> list[list[Any]]:
-        """Sealed PushSlices (or SliceAverageds, with ``contributors``) carrying ``encoded``."""
+                contributors: tuple[int, ...] | None, inputs: bytes = b"",
+                own: dict[int, bytes] | None = None) -> list[list[Any]]:
+        """Sealed PushSlices (or SliceAverageds, with ``contributors``, ``inputs`` and the digest
+        of our own slice's chunk at each offset, ``own``) carrying ``encoded``."""
         g = rnd.group
         frames = []
         for a, b, payload in encoded:
@@ -98,7 +104,7 @@ class SendMixin:
                 "offset": a, "numel": b - a, "shape": (b - a,), "dtype": "float32", "codec": g.codec,
                 "weight": weight, "payload": payload}
             msg = (PushSlice(stopping=rnd.stopping, **common) if contributors is None
-                   else SliceAveraged(contributors=contributors, inputs=inputs, **common))
+                   else SliceAveraged(contributors=contributors, inputs=inputs, own=(own or {}).get(a, b""), **common))
             frames.append(seal_parts(msg, self.identity))
         return frames
 

@@ -4,7 +4,7 @@ After each round, this member audits each part it holds from another reducer wit
 probability ``rate`` (the run's ``sync.audit``; drawn from the OS's randomness, so a reducer
 cannot know which of its means will be audited). It sends the reducer an ``AuditRequest``;
 the reducer answers on a stream of its own with the inputs of its mean: the contributors'
-signed pushes (forwarded unchanged) and its own slice as signed raw fp32 ``PushSlice``
+signed pushes (forwarded unchanged) and its own slice as the signed ``PushSlice``
 frames. The auditor recomputes the mean off the training path (the round has landed):
 
 - a mean that does not follow from the inputs the reducer committed to is proof
@@ -38,7 +38,7 @@ import msgpack
 
 from peer.bans import MAX_EVIDENCE_FRAMES
 from peer.distrust import Distrust
-from protocol.audit import NOT_COMMITTED, OWN_CODEC, UNPROVEN, WRONG, check
+from protocol.audit import NOT_COMMITTED, UNPROVEN, WRONG, check
 from protocol.envelope import Verified, seal_parts, verify
 from protocol.errors import RemoteProtocolError
 from protocol.evidence import proves
@@ -48,7 +48,6 @@ from protocol.messages_swarm import AuditRequest, Evidence, PushSlice
 if TYPE_CHECKING:
     from peer.allreduce import Averager
     from peer.allreduce_round import Round
-    from protocol.identity import Identity
 
 __all__ = ["Audits", "inputs_frames"]
 
@@ -248,7 +247,7 @@ class Audits:
             log.info("audit request not answered peer=%s group=%s part=%d", peer_id, gid.hex(), msg.part)
             return
         self._answered.append((gid, peer_id))
-        frames = inputs_frames(rnd, av.identity)
+        frames = inputs_frames(rnd)
         task = asyncio.create_task(self._send(peer_id, frames, _WAIT * rnd.group.deadline_s))
         av._side_tasks.add(task)
         task.add_done_callback(av._side_tasks.discard)
@@ -262,14 +261,7 @@ class Audits:
             log.info("audit answer not delivered peer=%s detail=%r", peer_id, e)
 
 
-def inputs_frames(rnd: Round, identity: Identity) -> list[list[Any]]:
+def inputs_frames(rnd: Round) -> list[list[Any]]:
     """The inputs of our mean of our part, as an auditor gets them: the contributors' signed
-    pushes as they came, and our own slice as raw fp32 ``PushSlice`` frames we sign."""
-    g = rnd.group
-    frames: list[list[Any]] = [[data] for i in sorted(rnd.push_frames) for *_, data in rnd.push_frames[i]]
-    for offset, numel, payload in rnd.own_chunks:
-        own = PushSlice(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id, part=rnd.me,
-                        offset=offset, numel=numel, shape=(numel,), dtype="float32", codec=OWN_CODEC,
-                        weight=g.weights[rnd.me], stopping=rnd.stopping, payload=payload)
-        frames.append(seal_parts(own, identity))
-    return frames
+    pushes as they came, and our own slice as we sealed it for our witness (``Round.own``)."""
+    return [[data] for i in sorted(rnd.push_frames) for *_, data in rnd.push_frames[i]] + list(rnd.own_frames)

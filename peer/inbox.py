@@ -146,6 +146,8 @@ class StreamEnded:
     short will not be completed by that stream: the round drops the sender at once."""
 
     kind: type
+    part: int = -1
+    """The part its frames were of (a ``PushSlice`` to a witness is of its sender's own part)."""
 
 
 ITEM_OVERHEAD = 512

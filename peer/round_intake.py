@@ -74,14 +74,16 @@ class IntakeMixin:
         if proven is not None and proven[0] not in self.offences:
             self.offences[proven[0]] = (proven[0], proven[1], bytes(data))
 
-    def stream_ended(self, peer_id: str, kind: type) -> None:
+    def stream_ended(self, peer_id: str, kind: type, part: int) -> None:
         """A stream on which member ``peer_id`` sent its slice of ours (``PushSlice``) or its
         reduced part (``SliceAveraged``) ended. A sender writes all of it on one stream, so one
-        still short now never completes: drop the sender at once rather than at the deadline."""
+        still short now never completes: drop the sender at once rather than at the deadline.
+        (Its own slice, sent to us as its witness, travels on a stream of its own: one left
+        short means only that we cannot vouch for it.)"""
         i = self.index.get(peer_id)
         if i is None or i == self.me or i in self.dropped:
             return
-        if kind is PushSlice and self.collecting_pushes and self.pushed[i] != self.size(self.me):
+        if kind is PushSlice and part == self.me and self.collecting_pushes and self.pushed[i] != self.size(self.me):
             self.drop(i, f"short:its stream ended after {self.pushed[i]} of the slice's {self.size(self.me)} elements")
         elif kind is SliceAveraged and self.collecting_means and not self.holds(i) and self.size(i):
             self.drop(i, f"short:its stream ended after {self.got[i]} of its part's {self.size(i)} elements")
@@ -125,7 +127,8 @@ class IntakeMixin:
             self.repairs.pop((j, f), None)
             self._keep_evidence(data)  # evidence against its signer, the reducer
             return
-        chunks.append((msg.offset, msg.numel, data, v.payload_digest, tuple(msg.contributors), msg.payload))
+        chunks.append((msg.offset, msg.numel, data, v.payload_digest, tuple(msg.contributors), bytes(msg.own),
+                       msg.payload))
         if sum(c[1] for c in chunks) == self.size(j):
             self._take_repair(j, f)
         self.changed.set()
@@ -143,8 +146,9 @@ class IntakeMixin:
         for offset, numel, contributors, pd, frame in ours:
             if not (offset < msg.offset + msg.numel and msg.offset < offset + numel):
                 continue
-            if (offset, numel) == (msg.offset, msg.numel) and (tuple(contributors), pd) == what:
-                continue  # the same mean
+            if (offset, numel) == (msg.offset, msg.numel) and (tuple(contributors), pd) == what \
+                    and bytes(frame) == bytes(data):
+                continue  # the same mean (another field, such as ``own``, may differ: ``equivocation`` says)
             proven = equivocation(bytes(frame), bytes(data), self.group.run_id)
             if proven is None:
                 continue
@@ -165,6 +169,7 @@ class IntakeMixin:
             self.mean_errors[j][offset] = self.codec.error_bound(payload, numel) ** 2
         self.contributors[j] = tuple(chunks[0][4])
         self.mean_chunks[j] = [(c[0], c[1], c[3]) for c in chunks]
+        self.mean_own[j] = {c[0]: c[5] for c in chunks}
         self.frames[j] = [[c[2]] for c in chunks]
         self.got[j] = self.size(j)
         self.repaired.add(j)
@@ -191,6 +196,7 @@ class IntakeMixin:
             self.report_norms[i] = tuple(msg.norms)
         if len(msg.dots) == self.n:
             self.report_dots[i] = tuple(msg.dots)
+        self._take_vouches(i, msg.witness)
         for j, d in enumerate(self.reports[i]):
             if d and j != i:
                 self.held_since.setdefault(j, time.monotonic())  # the event loop's clock
@@ -210,6 +216,9 @@ class IntakeMixin:
             raise RemoteProtocolError(f"more than the {e - s} elements of slice {part}")
 
     def _accept_push(self, i: int, msg: PushSlice, payload_digest: bytes, data: bytes) -> None:
+        if msg.part == i and i in self.witnessed:  # its own slice: we are one of its witnesses
+            self._accept_witnessed(i, msg, payload_digest, data)
+            return
         if msg.part != self.me:
             raise RemoteProtocolError(f"part {msg.part} sent to the reducer of part {self.me}")
         if not self.collecting_pushes:
@@ -250,6 +259,7 @@ class IntakeMixin:
         contrib = tuple(msg.contributors)
         if self.contributors.setdefault(j, contrib) != contrib:
             raise RemoteProtocolError("contributors differ between chunks of one part")
+        self.mean_own.setdefault(j, {})[msg.offset] = bytes(msg.own)
         _check_disjoint([(o, n) for o, n, _ in self.mean_chunks.setdefault(j, [])], msg.offset, msg.numel)
         decoded = self.codec.decode(msg.payload, msg.numel)  # raises on bad bytes or non-finite values
         self.result[msg.offset:msg.offset + msg.numel] = decoded

@@ -69,7 +69,10 @@ class ScreenMixin:
         frames and reports decides alike and falls back on the part; the part is audited
         (``peer.audit``), which proves a wrong mean against its reducer (and bans it). One
         member's false report (a dot, a norm) cannot make an honest part fail: the screen
-        refuses a mean only if it fits no world with one liar (``screen_mean``). Two colluding
+        refuses a mean only if it fits no world with one liar (``screen_mean``). Where the
+        part's witnesses vouched for the reducer's own slice (``peer.round_witness``), its term
+        is reported like the others' rather than its word: a negated mean, or another part's, no
+        longer hides in it, in groups of 3-5 too (``bench/witness.py``). Two colluding
         members can, so a refusal alone proves nothing: it distrusts and bans nobody (the audit
         decides), and costs that part's update for the round."""
         norms = {**self.report_norms, self.me: tuple(self.norms)}
@@ -86,7 +89,8 @@ class ScreenMixin:
             error = math.sqrt(math.fsum(v for _, v in sorted(self.mean_errors[j].items()))) if j in self.mean_errors \
                 else math.inf
             said_by = [(self.group.weights[i], norms[i][j] if i in norms else None, said[i]) for i in others]
-            if not screen_mean(slice_norm(self.result[s:e]), error, self.clip, self.group.weights[j], said_by):
+            if not screen_mean(slice_norm(self.result[s:e]), error, self.clip, self.group.weights[j], said_by,
+                               reporters=others, vouched=self.vouched(j)):
                 log.warning("reduced part its contributions cannot give (by their reported dots) part=%d reducer=%s "
                             "group=%s: falling back on it", j, self.peer_ids[j], self.group.group_id.hex())
                 out.append(j)

@@ -2,8 +2,8 @@
 
 Used by ``swarmstream simulate`` and ``bench/quality.py`` to compare data-parallel, DiLoCo
 and Streaming DiLoCo on the same data at equal tokens. The all-reduce follows
-``protocol.butterfly`` exactly as the swarm does (foreign slices travel encoded with the run's
-codec, reducers accumulate in fp32, the mean travels back encoded), and a fragment's average
+``protocol.butterfly`` exactly as the swarm does (slices travel encoded with the run's
+codec, reducers accumulate them in fp32, their own as encoded too, the mean travels back encoded), and a fragment's average
 only becomes visible ``tau`` inner steps after its sync started.
 """
 
@@ -20,7 +20,7 @@ import torch
 from peer.data import Corpus, ShardSampler, heldout_batches, load_corpus
 from peer.model import Transformer
 from peer.worker import Worker, evaluate, pick_device
-from protocol.butterfly import clip_scales, slice_bounds, slice_norm
+from protocol.butterfly import clip_scales, slice_bounds, slice_norm, witnessed, witnesses_of
 from protocol.codecs import Codec, get_codec
 from protocol.config import ConfigError, TrainConfig
 
@@ -80,17 +80,15 @@ def reduce_part(vectors: list[torch.Tensor], shares: list[float], j: int, codec:
                 clip: float = 0.0) -> tuple[bytes, list[torch.Tensor], list[bytes]]:
     """Reducer j's part of a butterfly all-reduce, as ``peer.allreduce_round.Round.reduce``
     computes it (``shares``: weight / total weight). -> (its encoded mean, each member's slice
-    as the reducer averaged it (its own raw, the others decoded), the others' pushes (b"" for j))."""
+    as the reducer averaged it (decoded: its own too, as its witness gets it), each member's
+    slice encoded (j's: what it sends its witness))."""
     s, e = slice_bounds(vectors[0].numel(), len(vectors))[j]
-    data = [b"" if i == j else codec.encode(v[s:e]) for i, v in enumerate(vectors)]
-    slices = [v[s:e] if i == j else codec.decode(data[i], e - s) for i, v in enumerate(vectors)]
+    data = [codec.encode(v[s:e]) for v in vectors]
+    slices = [codec.decode(d, e - s) for d in data]
     scales = clip_scales([slice_norm(x) for x in slices], clip)
     acc = torch.zeros(e - s, dtype=torch.float32)  # reducer j's fp32 accumulator
     for i in range(len(vectors)):
-        if i == j:
-            acc.add_(vectors[i][s:e], alpha=shares[i] * scales[i])
-        else:
-            codec.decode_add_(acc, data[i], shares[i] * scales[i])
+        codec.decode_add_(acc, data[i], shares[i] * scales[i])
     return codec.encode(acc), slices, data
 
 
@@ -113,7 +111,8 @@ def allreduce(vectors: list[torch.Tensor], weights: list[float], codec: Codec,
     for j, (s, e) in enumerate(slice_bounds(numel, n)):
         out, _, data = reduce_part(vectors, w, j, codec, clip)
         for i, d in enumerate(data):
-            sent[i] += len(d)
+            # j's own slice goes to each of its witnesses (a group with them)
+            sent[i] += len(d) if i != j else len(d) * len(witnesses_of(j, n, b"")) if witnessed(n, clip) else 0
         sent[j] += len(out) * (n - 1)
         result[s:e] = codec.decode(out, e - s)
     return result, sent

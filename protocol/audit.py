@@ -2,11 +2,12 @@
 
 A reducer's ``SliceAveraged`` carries ``inputs``, a digest of what it averaged: for every
 contributor, its public key, its weight and the chunks of its slice (offset, size, payload
-digest), the reducer's own slice as raw fp32 (``inputs_digest``). Everyone who holds the
-part sees the same commitment. A member that audits the part asks the reducer for those
-inputs (``AuditRequest``); the reducer answers with the contributors' ``PushSlice`` frames,
-signed by them, and its own slice as ``PushSlice`` frames of codec ``fp32`` signed by itself
-(an honest member never pushes its own part to anyone otherwise).
+digest), the reducer's own slice's as well: it averages its own slice encoded with the part's
+codec, as it sent it to its witness (``protocol.butterfly.witness_of``), in ``PushSlice``
+frames of its own part signed by itself (``inputs_digest``). Everyone who holds the part sees
+the same commitment. A member that audits the part asks the reducer for those inputs
+(``AuditRequest``); the reducer answers with the contributors' ``PushSlice`` frames, signed
+by them, and its own.
 
 ``check`` recomputes the mean from the inputs, as ``protocol.butterfly`` says a reducer
 computes it (each contribution scaled to ``clip`` x the lower median norm, weighted by its
@@ -25,7 +26,7 @@ share), encodes it with the part's codec, and compares with what the reducer sig
 What an audit bounds: the reducer's own slice is its word, so a reducer that lies
 consistently can still move its part as far as any contributor can (``clip`` x the lower
 median norm x its weight share); no further. An audit costs the auditor about
-``(n - 1) x`` the part's encoded size plus 4 bytes per element (the raw own slice).
+``n x`` the part's encoded size.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ shuts the reducer out for good."""
 TOLERANCE = 0.02
 """A signed mean further than this x the sum of the weighted, clipped contributions' norms
 from the recomputed one is wrong. An honest mean is within float rounding (~1e-7) of it."""
-OWN_CODEC = "fp32"  # the reducer's own slice, as it averaged it: unencoded
 
 
 def contribution_digest(key: bytes, weight: float, chunks: Iterable[tuple[int, int, bytes]]) -> bytes:
@@ -111,7 +111,7 @@ def _check(means: list[Verified], input_frames: Sequence[bytes], run_id: bytes,
         assert isinstance(m, PushSlice)
         if _where(m) != where:
             raise ValueError("an input frame is for another group or part")
-        if m.codec != (OWN_CODEC if v.signer == reducer else head.codec) or m.dtype != "float32" \
+        if m.codec != head.codec or m.dtype != "float32" \
                 or tuple(m.shape) != (m.numel,):
             raise ValueError(f"an input frame has codec {m.codec} / shape {tuple(m.shape)}")
         if weights.setdefault(v.signer, m.weight) != m.weight:
@@ -130,8 +130,7 @@ def _check(means: list[Verified], input_frames: Sequence[bytes], run_id: bytes,
         s, e, chunks = _span([(o, n, p) for o, n, _, p in by_signer[k]])
         if (s, e) != (start, end):
             raise ValueError("an input does not cover the part")
-        c = get_codec(OWN_CODEC if k == reducer else head.codec)
-        values.append(torch.cat([c.decode(p, n) for _, n, p in chunks]))  # raises on non-finite values
+        values.append(torch.cat([codec.decode(p, n) for _, n, p in chunks]))  # raises on non-finite values
     norms = [slice_norm(x) for x in values]
     scales = clip_scales(norms, clip)
     total = math.fsum(weights[k] for k in keys)

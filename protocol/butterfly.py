@@ -2,9 +2,10 @@
 
 In a group of n members, a flat vector of N elements is cut into n contiguous slices (the
 first ``N % n`` slices one element longer). Member j reduces slice j: every other member
-sends it its encoded slice j, member j accumulates them in fp32 with its own (unencoded)
-values, encodes the weighted mean once, and sends that back to the n-1 others. Every member,
-reducer included, then uses the *decoded* mean, so all members hold bit-identical results.
+sends it its encoded slice j, member j accumulates them in fp32 with its own slice, encoded
+and decoded alike (so its witnesses can vouch for it: ``witnesses_of``), encodes the weighted mean
+once, and sends that back to the n-1 others. Every member, reducer included, then uses the
+*decoded* mean, so all members hold bit-identical results.
 
 Robust mean: before accumulating, the reducer measures every contribution's norm (its own
 slice's, and each foreign slice's as decoded) and scales down any above ``clip`` times the
@@ -19,6 +20,7 @@ scaled (``bench/quality.py`` measures it).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 
@@ -38,13 +40,44 @@ def slice_bounds(numel: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
-def bytes_sent(numel: int, n: int, encoded_size: Callable[[int], int]) -> list[int]:
+def bytes_sent(numel: int, n: int, encoded_size: Callable[[int], int], witness: bool = False) -> list[int]:
     """Bytes each member sends in one all-reduce of ``numel`` elements among ``n`` members:
-    its n-1 foreign slices to their reducers, plus its reduced slice to the n-1 others."""
+    its n-1 foreign slices to their reducers, plus its reduced slice to the n-1 others, plus
+    (``witness``, in groups that have them: ``witnessed``) its own slice to its witnesses."""
     bounds = slice_bounds(numel, n)
     sizes = [encoded_size(e - s) for s, e in bounds]
     total = sum(sizes)
-    return [(total - sizes[j]) + (n - 1) * sizes[j] for j in range(n)]
+    extra = WITNESSES if witness and n > WITNESSES else 0
+    return [(total - sizes[j]) + (n - 1 + extra) * sizes[j] for j in range(n)]
+
+
+WITNESSES = 2
+"""How many members each reducer sends its own slice to (``witnesses_of``). One is not enough:
+the screen must allow any one member to lie, a witness too, and in the world in which the only
+witness lies the reducer's term is unknown again (``bench/witness.py``)."""
+
+
+def witnessed(n: int, clip: float) -> bool:
+    """Whether a group of ``n`` with the run's ``clip`` has witnesses: only the screen of reduced
+    parts uses them, it screens nothing without a clip (``screen_mean``), and a group of two
+    has no member besides the reducer and the one the screen must allow to lie."""
+    return bool(clip) and n > WITNESSES
+
+
+def witnesses_of(part: int, n: int, group_id: bytes) -> tuple[int, ...]:
+    """The members to whom reducer ``part`` sends its own slice, as it averages it (``PushSlice``
+    frames of its own part), and who report that slice's norm and dot with the mean
+    (``PartsHeld.witness``): members ``part + r`` (mod n) for ``WITNESSES`` distinct shifts r
+    in [1, n - 1] drawn from the group's ID, so every member knows them, each member witnesses
+    ``WITNESSES`` parts, and nobody chooses whom. () in a group of ``WITNESSES`` or fewer."""
+    if n <= WITNESSES:
+        return ()
+    h = hashlib.blake2b(bytes(group_id), digest_size=16, person=b"swarm-witness").digest()
+    shifts: list[int] = []
+    for t in range(WITNESSES):
+        free = [r for r in range(1, n) if r not in shifts]
+        shifts.append(free[int.from_bytes(h[8 * t:8 * t + 8], "little") % len(free)])
+    return tuple((part + r) % n for r in shifts)
 
 
 def slice_norm(x: torch.Tensor) -> float:
@@ -114,34 +147,55 @@ def mean_consistent(norm: float, error: float, reducer_share: float, reducer_nor
 
 
 def screen_mean(norm: float, error: float, clip: float, reducer_weight: float,
-                others: Sequence[tuple[float, float | None, float | None]]) -> bool:
+                others: Sequence[tuple[float, float | None, float | None]],
+                reporters: Sequence[int] | None = None, vouched: Sequence[tuple[int, float, float]] = ()) -> bool:
     """``mean_consistent`` for a part whose reducer has weight ``reducer_weight`` and whose
     other contributors reported ``others``: (weight, norm of its push as decoded or None, its
-    dot with the mean or None). False only if the mean fits in no world with one liar besides
-    the reducer: every other report true but one, whose norm and dot may be anything up to the
-    clip, as may the reducer's own slice (its report is never used, so members that got it
-    and members that did not, such as one that banned it, decide alike). A contributor that
-    did not report is anything up to the clip too. So one lying member cannot make an honest
-    mean fail, whatever it reports or withholds. True (nothing to say) for a plain mean
-    (``clip`` 0: a slice may be anything), a part with no other contributor, weights that do
-    not sum to a positive total, or a group too small for the clip to bound a liar."""
+    dot with the mean or None), ``reporters`` saying which member reported each (default:
+    entry i by member i). False only if the mean fits in no world with one liar besides the
+    reducer: every member's reports true but one member's, whose norms and dots may be anything
+    up to the clip. A contributor that did not report is anything up to the clip too. So one
+    lying member cannot make an honest mean fail, whatever it reports or withholds.
+
+    The reducer's own slice is anything up to the clip too (its own report is never used, so
+    members that got it and members that did not, such as one that banned it, decide alike),
+    unless its witnesses vouched for it: ``vouched`` holds (witness, norm, dot with the mean)
+    of the slice the reducer sent each witness that saw it match the mean's commitment
+    (``witnesses_of``). In a world whose liar is not that witness its term is then known; two
+    believed witnesses that disagree make the world impossible (one of them lies).
+
+    True (nothing to say) for a plain mean (``clip`` 0: a slice may be anything), a part with
+    no other contributor, weights that do not sum to a positive total, or a group too small for
+    the clip to bound a liar."""
     total = reducer_weight + math.fsum(w for w, _, _ in others)
     if not clip or not others or not (total > 0 and math.isfinite(total)):
         return True
+    who = list(range(len(others))) if reporters is None else list(reporters)
+    if len(who) != len(others):
+        raise ValueError("one reporter per entry")
     silent = {i for i, (_, n, _) in enumerate(others) if n is None}
 
     def fits(liar: int | None) -> bool:
-        unknown = silent | ({liar} if liar is not None else set())
-        low, high = median_range([n for i, (_, n, _) in enumerate(others) if i not in unknown], len(unknown) + 1)
+        unknown = silent | {i for i in range(len(others)) if who[i] == liar}
+        believed = [(n, d) for w, n, d in vouched if w != liar]
+        if any(not (math.isclose(n, believed[0][0], rel_tol=1e-9) and math.isclose(d, believed[0][1], rel_tol=1e-9,
+                                                                                   abs_tol=1e-300))
+               for n, d in believed[1:]):
+            return False  # two members that do not lie in this world said different things
+        known = [n for i, (_, n, _) in enumerate(others) if i not in unknown] + [n for n, _ in believed[:1]]
+        low, high = median_range(known, len(unknown) + (0 if believed else 1))
         if not math.isfinite(high):
             return True  # the unknown norms may set the clip: nothing bounds them
         cap = clip * high  # no contribution's clipped norm exceeds it
         terms = [(w / total, 0.0, None, cap) if i in unknown else
                  (w / total, 1.0 if n <= clip * low else clip * low / n, dot, n) for i, (w, n, dot) in enumerate(others)]
-        return mean_consistent(norm, error, reducer_weight / total, cap, terms)
+        if believed:
+            n, d = believed[0]
+            terms.append((reducer_weight / total, 1.0 if n <= clip * low else clip * low / n, d, n))
+        return mean_consistent(norm, error, 0.0 if believed else reducer_weight / total, cap, terms)
 
-    speaking = [i for i in range(len(others)) if i not in silent]
-    return any(fits(i) for i in speaking) if speaking else fits(None)
+    speaking = sorted({who[i] for i in range(len(others)) if i not in silent} | {w for w, _, _ in vouched})
+    return any(fits(r) for r in speaking) if speaking else fits(None)
 
 
 def clip_scales(norms: Sequence[float], clip: float) -> list[float]:

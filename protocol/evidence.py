@@ -13,7 +13,15 @@ Equivocation (``equivocation``): two ``SliceAveraged`` frames signed by one redu
 same part of the same group whose element ranges overlap but which differ in what a member's
 digest of the part covers (values, or contributors). An honest reducer computes a part once and sends the same signed
 frames to every member (and the same again when it resends), so two such frames prove that it
-sent different means to different members. ``proves`` checks any evidence: one frame or two.
+sent different means to different members.
+
+A contradicted own slice (``own_contradiction``): a reducer's ``SliceAveraged`` chunk commits
+to the payload digest of its own slice's chunk over the same elements (``own``), and the
+reducer sends that chunk, signed, to its witnesses (``protocol.butterfly.witnesses_of``) as a
+``PushSlice`` of its own part. An honest reducer chunks both alike and sends each witness the
+chunk it committed to; an own chunk over elements of a mean chunk that names another digest,
+or cut at other offsets, proves that it told its witnesses one slice and averaged (or claimed)
+another. ``proves`` checks any evidence: one frame or two (or an audit's frames).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.messages import MAX_FRAME_BYTES
 from protocol.messages_swarm import PushSlice, SliceAveraged
 
-__all__ = ["equivocation", "offence", "proves"]
+__all__ = ["equivocation", "offence", "own_contradiction", "proves"]
 
 
 def offence(frame: bytes, run_id: bytes) -> tuple[bytes, str] | None:
@@ -70,6 +78,28 @@ def equivocation(frame_a: bytes, frame_b: bytes, run_id: bytes) -> tuple[bytes, 
                       f"(round {ma.round}, fragment {ma.fragment}) sent to different members")
 
 
+def own_contradiction(mean_frame: bytes, own_frame: bytes, run_id: bytes) -> tuple[bytes, str] | None:
+    """(the reducer's key, what it did) if ``mean_frame`` is a ``SliceAveraged`` and ``own_frame``
+    a ``PushSlice`` of the same part of the same group (run ``run_id``), both validly signed by
+    the reducer of that part, over overlapping elements, and the push is not the own chunk the
+    mean commits to (other offsets, or another payload digest than ``own``); None otherwise."""
+    try:
+        mean = verify(mean_frame, expect=(SliceAveraged,), run_id=run_id, max_size=MAX_FRAME_BYTES)
+        own = verify(own_frame, expect=(PushSlice,), run_id=run_id, max_size=MAX_FRAME_BYTES)
+    except RemoteProtocolError:
+        return None
+    if mean.signer != own.signer or _where(mean) != _where(own):
+        return None
+    m, p = mean.message, own.message
+    assert isinstance(m, SliceAveraged) and isinstance(p, PushSlice)
+    if not (m.offset < p.offset + p.numel and p.offset < m.offset + m.numel):
+        return None  # other elements: both may be honest
+    if (m.offset, m.numel) == (p.offset, p.numel) and bytes(m.own) == bytes(own.payload_digest):
+        return None  # the chunk it committed to
+    return mean.signer, (f"PushSlice: its own slice of part {m.part} (round {m.round}, fragment {m.fragment}) sent "
+                         f"to its witness is not the one its mean commits to")
+
+
 def proves(frames: Sequence[bytes], run_id: bytes, clip: float = 0.0) -> tuple[bytes, str] | None:
     """What ``frames`` prove, if anything: one frame through ``offence``, two through
     ``equivocation`` (or, failing that, an audit), more through ``protocol.audit.wrong_mean``
@@ -78,6 +108,8 @@ def proves(frames: Sequence[bytes], run_id: bytes, clip: float = 0.0) -> tuple[b
     if len(frames) == 1:
         return offence(frames[0], run_id)
     if len(frames) == 2 and (proven := equivocation(frames[0], frames[1], run_id)) is not None:
+        return proven
+    if len(frames) == 2 and (proven := own_contradiction(frames[0], frames[1], run_id)) is not None:
         return proven
     if len(frames) >= 2:
         return wrong_mean(frames, run_id, clip)
@@ -93,4 +125,4 @@ def _what(v: Verified) -> tuple:
     m = v.message
     # what a member's digest of the part covers (peer.allreduce_round.part_digest); the other
     # fields are fixed by the group (codec, a flat float32 slice) or by the contributors (weight)
-    return (m.offset, m.numel, tuple(m.contributors), v.payload_digest)  # type: ignore[attr-defined]
+    return (m.offset, m.numel, tuple(m.contributors), bytes(m.own), v.payload_digest)  # type: ignore[attr-defined]

@@ -216,9 +216,15 @@ class SliceAveraged(_Slice):
     """Member indices whose slices are in the mean (a dropped member is missing here)."""
     inputs: Annotated[bytes, Bytes((DIGEST_BYTES,))]
     """The reducer's commitment to what it averaged (``protocol.audit.inputs_digest``): each
-    contributor's key, weight and pushed chunks, its own slice as raw fp32. An auditor that
+    contributor's key, weight and pushed chunks, its own slice's too (encoded with the group's
+    codec, as it sent it to its witnesses and averaged it). An auditor that
     fetches those inputs recomputes the mean; a mean that does not follow from the inputs
     it committed to proves that the reducer lied."""
+    own: Annotated[bytes, Bytes((DIGEST_BYTES,))]
+    """The reducer's own share of ``inputs`` (``protocol.audit.contribution_digest`` of its own
+    slice's chunks): a witness (``protocol.butterfly.witnesses_of``) vouches for the slice it
+    got only if it matches; one that does not, signed by the same reducer, proves a lie
+    (``protocol.evidence.own_contradiction``)."""
     payload: Bulk
 
     def check(self) -> None:
@@ -256,13 +262,21 @@ class PartsHeld(Message):
     for a part it fell back on), not the ones it holds. A member still in the round weighs
     the finished members' finals for a part whose reducer came late
     (``peer.allreduce_round.Round.conform``)."""
+    witness: Annotated[tuple[float, ...], Seq(Float(-1.7e308, 1.7e308), max_len=4)] = ()
+    """For each part this member witnesses (``protocol.butterfly.witnesses_of``; two, in part
+    order: 4 floats, ``2 x butterfly.WITNESSES``), ``norm, dot``: of the reducer's own slice as
+    it sent it to this member (``PushSlice`` frames of its own part) and matching the mean's
+    ``own``, and its dot with that mean; ``-1.0, 0.0`` where it cannot vouch (it lacks the
+    slice or the mean, or they do not match). Empty in a group without witnesses. The screen
+    then counts the reducer's term as reported (``protocol.butterfly.screen_mean``); a
+    witness of another length, or a negative norm, tells it nothing."""
 
 
 @message(Tag.AUDIT_REQUEST)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AuditRequest(Message):
     """A member asks the reducer of ``part`` for the inputs of its mean (``protocol.audit``):
-    the contributors' signed pushes it averaged, and its own slice as signed raw fp32."""
+    the contributors' signed pushes it averaged, and its own slice's (``protocol.audit``)."""
 
     run_id: RunId
     fragment: Fragment

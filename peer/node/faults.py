@@ -14,7 +14,11 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
   the old group);
 - ``short``: every push 256 elements short of its slice (validly signed, well-formed chunks);
 - ``mute``: never answers an audit of its means (honest ones): what a peer killed right after
-  a round looks like to its auditors.
+  a round looks like to its auditors;
+- ``disown``: as a reducer, sends its witnesses its own slice negated (validly signed) while
+  its mean commits to, and averages, the true one (``peer.round_witness``);
+- ``blind``: as a reducer, sends its witnesses nothing, so that none can vouch for its own
+  slice and the screen must take it as anything up to the clip.
 
 The member lied to or withheld from is the one after it in the group's order.
 
@@ -40,7 +44,8 @@ from peer.allreduce import AGREE_GRACE, RESULT_GRACE
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 
-LIES = frozenset({"push1000", "push1e30", "mean1000", "negate", "equivocate", "withhold", "replay", "short", "mute"})
+LIES = frozenset({"push1000", "push1e30", "mean1000", "negate", "equivocate", "withhold", "replay", "short", "mute",
+                  "disown", "blind"})
 
 
 def parse_lies(fault: str) -> frozenset[str]:
@@ -81,6 +86,10 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
 
     async def lying_deliver(rnd, j: int, frames, deadline, sent, drop_on_failure):
         ours = frames is rnd.frames.get(rnd.me)  # our reduced part, not a push or a forward
+        if frames is rnd.own_frames and "blind" in lies:  # our own slice, to a witness
+            return
+        if frames is rnd.own_frames and "disown" in lies:
+            frames = [[_scaled(averager, b"".join(bytes(x) for x in f), -1.0)] for f in frames]
         if drop_on_failure and "replay" in lies:  # a push
             old, pushed[rnd.peer_ids[j]] = pushed.get(rnd.peer_ids[j], []), frames
             frames = old + frames
@@ -97,7 +106,8 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
 
 
 def _scaled(averager: Any, frame: bytes, factor: float) -> bytes:
-    """Our signed reduced part ``frame`` with its values times ``factor``, signed again."""
+    """Our signed frame ``frame`` (a reduced part, or our own slice) with its values times
+    ``factor``, signed again."""
     msg = verify(frame).message
     codec = get_codec(msg.codec)
     payload = codec.encode(codec.decode(msg.payload, msg.numel) * factor)

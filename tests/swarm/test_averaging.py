@@ -279,14 +279,11 @@ def partial_reference(vectors: list[torch.Tensor], weights: list[float], alive: 
     for j, (s, e) in enumerate(slice_bounds(vectors[0].numel(), n)):
         if j not in alive:
             continue
-        norms = [slice_norm(vectors[i][s:e] if i == j else codec.decode(codec.encode(vectors[i][s:e]), e - s))
-                 for i in alive]
+        # every contribution as encoded, the reducer's own too (as its witnesses get it)
+        norms = [slice_norm(codec.decode(codec.encode(vectors[i][s:e]), e - s)) for i in alive]
         acc = torch.zeros(e - s)
         for i, scale in zip(alive, clip_scales(norms, CLIP)):
-            if i == j:
-                acc.add_(vectors[i][s:e], alpha=weights[i] / total * scale)
-            else:
-                codec.decode_add_(acc, codec.encode(vectors[i][s:e]), weights[i] / total * scale)
+            codec.decode_add_(acc, codec.encode(vectors[i][s:e]), weights[i] / total * scale)
         out[j] = codec.decode(codec.encode(acc), e - s)
     return out
 

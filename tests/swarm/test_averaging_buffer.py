@@ -212,7 +212,7 @@ def test_only_pushes_of_members_that_started_at_their_step_count_as_waiting_for_
     gid = b"s" * 16
     av._on_frame(ids[0], frame(gid, signer=others[0], stopping=True))
     av._on_frame(ids[1], frame(gid, signer=others[1], stopping=True))
-    av._stream_ended(ids[0], {(gid, PushSlice)})  # its stream ended: a note in the buffer
+    av._stream_ended(ids[0], {(gid, PushSlice, 0)})  # its stream ended: a note in the buffer
     av._blame(ids[1], gid, "bad")
     assert len(av.pending.items(gid)) == 4  # all kept for the round...
     assert not av.pending.started(gid, ids) and av.pending.waited(gid, ids) == 0.0  # ...none waits for us

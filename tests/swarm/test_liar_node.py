@@ -145,8 +145,9 @@ def test_a_node_lying_several_ways_at_once_leaves_the_honest_ones_agreeing_finit
 
 def test_a_reducer_whose_mean_does_not_follow_from_its_inputs_is_proven_and_banned_by_every_auditor(tmp_path, demos):
     """Peer 3 returns its reduced part negated to everyone, every round: a mean of plausible
-    size, which no norm bound catches; in a group of 4 the screen inside the round seldom
-    refuses it, so the honest peers land it alike. With
+    size, which no norm bound catches. In a group of 4 its two witnesses vouch for its own
+    slice (``peer.round_witness``), so the screen inside the round refuses the mean on every
+    honest member alike (without them it seldom could: ``bench/witness.py``), and audits it. With
     ``sync.audit`` = 0.5 each honest peer also fetches the inputs of half the other reducers'
     means and recomputes them: honest means pass; a peer that proves the liar's mean wrong bans it with the frames
     that prove it saved in its data dir (``bans/<peer>.frames``), stops grouping with it, and
@@ -164,15 +165,55 @@ def test_a_reducer_whose_mean_does_not_follow_from_its_inputs_is_proven_and_bann
         assert list((tmp_path / "attacked" / f"peer{i}").rglob(f"bans/{liar}.frames")), f"peer {i} kept no evidence"
     wrong = [line for text in logs for line in text.splitlines() if "signed a wrong mean" in line]
     assert wrong and all(f"reducer={liar}" in line for line in wrong), wrong  # never an honest reducer
-    # the screen inside the round never refused an honest mean (in groups of 4 it seldom
-    # catches a negated one: tests/unit/test_mean_screen.py, bench/screen.py)
+    # the screen inside the round refused the negated mean, and never an honest one
     screened = [line for text in logs for line in text.splitlines() if "contributions cannot give" in line]
-    assert all(f"reducer={liar}" in line for line in screened), screened
+    assert screened and all(f"reducer={liar}" in line for line in screened), screened
     _agreed(seen, honest)
     attacked = [demo.summaries[i]["heldout_loss"] for i in honest]
     assert all(math.isfinite(h) and h > 0 for h in attacked), attacked
     print(f"held-out loss after 6 rounds beside a negating reducer: {sum(attacked) / 3:.4f}; "
           f"refused in the round {len(screened)} time(s)")
+
+
+def test_a_reducer_that_tells_its_witnesses_another_own_slice_than_it_averages_is_proven_and_banned(tmp_path, demos):
+    """Peer 3 averages its true own slice, and commits to it in its mean (``SliceAveraged.own``),
+    but sends its two witnesses (``protocol.butterfly.witnesses_of``) that slice negated
+    (``lie:disown``): what a reducer would do to have its witnesses vouch for a slice that
+    makes its lie fit the screen. Each witness holds the reducer's signed mean and its signed
+    push of its own part, which contradict each other: proof, which it keeps and hands on. So
+    every honest peer bans it, with the frames in its data dir, and vouches for nothing it
+    said; the honest peers land one result in every group they share."""
+    setup = _setup(tmp_path)
+    demo, seen = run(tmp_path / "attacked", demos, 4, setup, envs={3: {"SWARMSTREAM_FAULT": "lie:disown"}}, rounds=4)
+    logs = [(tmp_path / "attacked" / f"peer{i}.log").read_text() for i in HONEST]
+    liar = peer_id_from_public_key(load_or_create_identity(setup / "peer3.key").public_key)
+    assert any("own slice contradicts its mean" in text for text in logs), "no witness caught the liar"
+    for i, text in zip(HONEST, logs):
+        assert f"banned peer={liar} reason=PushSlice: its own slice of part" in text, f"peer {i} did not ban the liar"
+        assert list((tmp_path / "attacked" / f"peer{i}").rglob(f"bans/{liar}.frames")), f"peer {i} kept no evidence"
+    assert not any("banned peer=" in line and liar not in line for text in logs for line in text.splitlines())
+    _agreed(seen, HONEST)
+    assert all(math.isfinite(demo.summaries[i]["heldout_loss"]) for i in HONEST)
+
+
+def test_a_reducer_that_keeps_its_own_slice_from_its_witnesses_has_its_means_audited_and_is_banned(tmp_path, demos):
+    """Peer 3 negates its mean and sends its witnesses nothing (``lie:negate+blind``), so none
+    can vouch for its own slice and the screen has the room it had before witnesses (in groups
+    of 4 a negated mean passes it). With audits off (``sync.audit`` = 0), a witness that got the
+    mean and not the own slice audits the part anyway: it proves the mean wrong, bans the liar
+    and hands the proof on, so every honest peer bans it. The honest peers land one result in
+    every group they share."""
+    setup = _setup(tmp_path, audit=0.0)
+    demo, seen = run(tmp_path / "attacked", demos, 4, setup, rounds=4, envs={
+        3: {"SWARMSTREAM_FAULT": "lie:negate+blind"}, **{i: {"SWARMSTREAM_LOG": "INFO"} for i in HONEST}})
+    logs = [(tmp_path / "attacked" / f"peer{i}.log").read_text() for i in HONEST]
+    liar = peer_id_from_public_key(load_or_create_identity(setup / "peer3.key").public_key)
+    assert any("witnessed slice missing" in text for text in logs), "no witness noticed"
+    for i, text in zip(HONEST, logs):
+        assert f"banned peer={liar} reason=SliceAveraged: a mean of part" in text, f"peer {i} did not ban the liar"
+    assert not any("banned peer=" in line and liar not in line for text in logs for line in text.splitlines())
+    _agreed(seen, HONEST)
+    assert all(math.isfinite(demo.summaries[i]["heldout_loss"]) for i in HONEST)
 
 
 def test_a_reducer_that_never_shows_its_inputs_is_suspended_by_its_auditors_then_grouped_with_again(tmp_path, demos):

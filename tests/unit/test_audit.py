@@ -56,9 +56,11 @@ def reduce_and_audit(vectors: list[torch.Tensor], codec: str, weights: tuple[flo
     for i in range(1, n):
         for f in _push(g, i, 0, vectors[i], step):
             rnd.accept(peer_id_from_public_key(KEYS[i].public_key), verify(f), len(f), f)
-    mean, contrib, total = rnd.reduce()
     s0, e0 = rnd.bounds[0]
-    inputs = rnd.commit(contrib, [(a, min(a + step, e0)) for a in range(s0, e0, step)])
+    own = [(a, min(a + step, e0), get_codec(codec).encode(vectors[0][a:min(a + step, e0)])) for a in range(s0, e0, step)]
+    rnd.own(own, [[f] for f in _push(g, 0, 0, vectors[0], step)])  # as it seals them for its witness
+    mean, contrib, total = rnd.reduce()
+    inputs = rnd.commit(contrib)
     if lie is not None:
         mean = lie(mean, vectors)
     s, e = rnd.bounds[0]
@@ -66,9 +68,9 @@ def reduce_and_audit(vectors: list[torch.Tensor], codec: str, weights: tuple[flo
     means = [seal(SliceAveraged(run_id=RUN, fragment=g.fragment, round=g.round, group_id=g.group_id, part=0,
                                 offset=a, numel=min(a + step, e) - a, shape=(min(a + step, e) - a,), dtype="float32",
                                 codec=codec, weight=total, contributors=contrib, inputs=inputs,
-                                payload=c.encode(mean[a - s:min(a + step, e) - s])), KEYS[0])
+                                own=rnd.own_digests()[a], payload=c.encode(mean[a - s:min(a + step, e) - s])), KEYS[0])
              for a in range(s, e, step)]
-    shown = [b"".join(bytes(x) for x in f) for f in inputs_frames(rnd, KEYS[0])]
+    shown = [b"".join(bytes(x) for x in f) for f in inputs_frames(rnd)]
     return means, shown, rnd
 
 

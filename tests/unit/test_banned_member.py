@@ -12,6 +12,7 @@ from peer.allreduce_round import Round
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 from protocol.identity import Identity
+from protocol.messages import digest
 from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
 RUN = b"\x07" * 20
@@ -46,6 +47,7 @@ def test_a_banned_members_push_is_waited_for_like_anyones_and_left_out_of_the_me
     assert not rnd.pushes_done()  # the banned member's push is due too: it is alive, it may be late
     push(rnd, BANNED, 1000.0)
     assert rnd.pushes_done() and rnd.pushed[BANNED] == 10 and BANNED not in rnd.dropped
+    rnd.own([(0, 10, get_codec("fp32").encode(torch.ones(10)))], [])  # our own slice, as we average it
     mean, contrib, total = rnd.reduce()
     assert contrib == (0, 1) and total == 2.0 and torch.equal(mean, torch.full((10,), 2.0))
 
@@ -53,7 +55,7 @@ def test_a_banned_members_push_is_waited_for_like_anyones_and_left_out_of_the_me
 def test_a_banned_members_short_stream_drops_it_at_once_as_anyones_does():
     rnd = member()
     push(rnd, BANNED, 1.0, numel=5)
-    rnd.stream_ended(KEYS[BANNED].peer_id, PushSlice)
+    rnd.stream_ended(KEYS[BANNED].peer_id, PushSlice, rnd.me)
     assert rnd.dropped[BANNED].startswith("short:")
 
 
@@ -76,8 +78,9 @@ def test_a_banned_member_dropped_as_late_is_not_waited_for_to_call_the_round_agr
         payload = get_codec("fp32").encode(values)
         frame = seal(SliceAveraged(run_id=RUN, fragment=0, round=1, group_id=GID, part=j, offset=10 * j, numel=10,
                                    shape=(10,), dtype="float32", codec="fp32", weight=2.0, contributors=(0, 1),
-                                   inputs=b"i" * 32, payload=payload), KEYS[j])
+                                   inputs=b"i" * 32, own=digest(payload), payload=payload), KEYS[j])
         if j == 0:
+            rnd.own([(0, 10, payload)], [])  # its own slice as it averaged it: here, its mean's bytes
             rnd.reduced((0, 1), [(0, 10, payload)], [[frame]])
         else:
             v = verify(frame)

@@ -36,7 +36,7 @@ def test_a_signed_frame_no_honest_client_sends_proves_its_signer_lied():
     assert offence(push(bytes(inf_scale), codec="fp4"), RUN) is not None
     mean = seal(SliceAveraged(run_id=RUN, fragment=0, round=1, group_id=b"g" * 16, part=0, offset=0, numel=256,
                               shape=(256,), dtype="float32", codec="fp32", weight=2.0, payload=NAN.numpy().tobytes(),
-                              contributors=(0, 1), inputs=b"i" * 32), LIAR)
+                              contributors=(0, 1), inputs=b"i" * 32, own=b"o" * 32), LIAR)
     assert offence(mean, RUN)[0] == LIAR.public_key  # a reducer's lie too
 
 

@@ -87,6 +87,10 @@ def test_allreduce_counts_butterfly_bytes_and_gives_the_weighted_mean():
         codec = get_codec(name)
         avg, sent = allreduce(vecs, weights, codec)
         assert sent == bytes_sent(1001, 4, codec.encoded_size)
+        # with a clip, each reducer also sends its own slice to its two witnesses
+        assert allreduce(vecs, weights, codec, clip=2.0)[1] == bytes_sent(1001, 4, codec.encoded_size, witness=True)
+        assert sum(bytes_sent(1001, 4, codec.encoded_size, witness=True)) - sum(sent) == 2 * sum(
+            codec.encoded_size(e - s) for s, e in slice_bounds(1001, 4))
         err = (avg - exact).abs().max().item()
         assert err < {"fp32": 1e-6, "int8": 0.05, "fp4": 0.6}[name], (name, err)
     assert slice_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]

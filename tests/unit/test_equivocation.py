@@ -15,6 +15,7 @@ from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 from protocol.evidence import equivocation, proves
 from protocol.identity import Identity
+from protocol.messages import digest
 from protocol.messages_swarm import PartsHeld, SliceAveraged
 
 RUN = b"\x05" * 20
@@ -29,6 +30,7 @@ def mean(values: torch.Tensor, part: int = 0, offset: int = 0, signer: Identity 
     return seal(SliceAveraged(run_id=RUN, fragment=0, round=round_, group_id=GID, part=part, offset=offset,
                               numel=values.numel(), shape=(values.numel(),), dtype="float32", codec="fp32",
                               weight=float(len(contributors)), contributors=contributors, inputs=b"i" * 32,
+                              own=digest(get_codec("fp32").encode(values)),
                               payload=get_codec("fp32").encode(values)), signer)
 
 
@@ -90,6 +92,7 @@ def hold(rnd: Round, j: int, values: torch.Tensor) -> None:
     """``rnd`` holds part j: its own, reduced, or the reducer's frame received."""
     frame = mean(values, part=j, offset=10 * j, signer=KEYS[j])
     if j == rnd.me:
+        rnd.own([(10 * j, 10 * j + 10, get_codec("fp32").encode(values))], [])  # as it averaged it: its mean's bytes
         rnd.reduced(tuple(range(N)), [(10 * j, 10 * j + 10, get_codec("fp32").encode(values))], [[frame]])
     else:
         deliver(rnd, frame)

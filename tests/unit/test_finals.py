@@ -10,6 +10,7 @@ from peer.allreduce_round import Round
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 from protocol.identity import Identity
+from protocol.messages import digest
 from protocol.messages_swarm import PartsHeld, SliceAveraged
 
 RUN = b"\x07" * 20
@@ -39,8 +40,9 @@ def hold(rnd: Round, j: int, contributors: tuple[int, ...]) -> None:
     payload = get_codec("fp32").encode(values)
     frame = seal(SliceAveraged(run_id=RUN, fragment=0, round=1, group_id=GID, part=j, offset=10 * j, numel=10,
                                shape=(10,), dtype="float32", codec="fp32", weight=float(len(contributors)),
-                               contributors=contributors, inputs=b"i" * 32, payload=payload), KEYS[j])
+                               contributors=contributors, inputs=b"i" * 32, own=digest(payload), payload=payload), KEYS[j])
     if j == rnd.me:
+        rnd.own([(10 * j, 10 * j + 10, payload)], [])  # its own slice as it averaged it: here, its mean's bytes
         rnd.reduced(contributors, [(10 * j, 10 * j + 10, payload)], [[frame]])
     else:
         deliver(rnd, frame)

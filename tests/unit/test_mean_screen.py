@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -152,3 +153,79 @@ def test_the_lower_median_of_a_part_when_some_norms_may_be_anything():
             meds = [sorted([*known, *[r] * unknown])[(len(known) + unknown - 1) // 2] for r in (0.0, 2.5, 1e9)]
             low, high = median_range(known, unknown)
             assert low == min(meds) and (high == max(meds) or (high == math.inf and max(meds) == 1e9))
+
+
+def witnessed_screen(mean, payload, slices, weights, j: int, codec, clip: float, lies=None, witnesses=2) -> bool:
+    """What every member decides with part j's witnesses' vouches (``Round.inconsistent``): the
+    reducer's own slice (as it averaged it: ``slices[j]``) vouched for by members ``j + 1`` and
+    ``j + 2`` (``witnesses`` of them); ``lies``: member -> (its own entry, its vouch or None)
+    instead of the truth (a lying witness may lie in both)."""
+    k = len(slices)
+    dots = [float(torch.dot(mean.double(), x.double())) for x in slices]
+    others = [i for i in range(k) if i != j]
+    entries = {i: (weights[i], slice_norm(slices[i]), dots[i]) for i in others}
+    vouches = {(j + 1 + t) % k: (slice_norm(slices[j]), dots[j]) for t in range(witnesses)}
+    for i, (entry, vouch) in (lies or {}).items():
+        entries[i] = entry
+        if i in vouches:
+            if vouch is None:
+                del vouches[i]
+            else:
+                vouches[i] = vouch
+    return screen_mean(slice_norm(mean), codec.error_bound(payload, mean.numel()), clip, weights[j],
+                       [entries[i] for i in others], reporters=others,
+                       vouched=[(w, n, d) for w, (n, d) in sorted(vouches.items())])
+
+
+@given(st.integers(0, 10_000), st.integers(3, 6), st.sampled_from([0.0, 0.5, 0.9]), st.sampled_from(CODEC_NAMES),
+       st.booleans(), st.sampled_from([-1e6, -3.0, -1.0, 0.0, 10.0]), st.sampled_from([0.0, 1e-3, 1.0, 1e3]))
+@settings(max_examples=300, deadline=None)
+def test_one_members_false_report_cannot_make_an_honest_mean_fail_with_witnesses(seed, k, rho, codec_name,
+                                                                                 witness_lies, dot, norm):
+    """A witness reports two terms (its own and the reducer's): a lying witness may falsify
+    both, or vouch for nothing; another member its one; whatever they say, every honest part
+    passes."""
+    vecs, weights = group(seed, k, rho, 1.5)
+    codec = get_codec(codec_name)
+    for j in range(k):
+        payload, mean, slices = reduce_part(vecs, weights, j, codec, 2.0)
+        liar = (j + 1) % k if witness_lies else (j + 3) % k
+        if liar == j:
+            continue
+        true = [float(torch.dot(mean.double(), x.double())) for x in slices]
+        entry = (weights[liar], norm * slice_norm(slices[liar]), dot * abs(true[liar]) + dot)
+        vouch = None if norm == 0.0 else (norm * slice_norm(slices[j]), dot * abs(true[j]) - dot)
+        assert witnessed_screen(mean, payload, slices, weights, j, codec, 2.0, lies={liar: (entry, vouch)})
+
+
+@given(st.integers(0, 10_000), st.sampled_from([3, 4, 5]), st.sampled_from([0.3, 0.73]))
+@settings(max_examples=60, deadline=None)
+def test_with_two_witnesses_a_negated_mean_is_refused_in_groups_of_3_to_5(seed, k, rho):
+    """What the witnesses are for: in groups of 3-5 (fp4, clip 2, equal weights) the screen
+    without them lets a negated mean through (the reducer's own term may be anything up to the
+    clip); with the reducer's own slice vouched for by two witnesses, it is refused. One
+    witness is not enough: in the world in which it lies, the reducer's term is unknown again."""
+    vecs, _ = group(seed, k, rho, 1.1)
+    weights = [1.0] * k
+    codec = get_codec("fp4")
+    one = 0
+    for j, (s, e) in enumerate(slice_bounds(N, k)):
+        _, mean, slices = reduce_part(vecs, weights, j, codec, 2.0)
+        payload = codec.encode(-mean)
+        told = codec.decode(payload, e - s)
+        assert not witnessed_screen(told, payload, slices, weights, j, codec, 2.0)
+        one += not witnessed_screen(told, payload, slices, weights, j, codec, 2.0, witnesses=1)
+    if k < 5:
+        assert one == 0
+
+
+def test_a_members_entries_are_one_members_word():
+    """The screen's one liar covers all of a member's entries and its vouch; two vouches that
+    disagree cannot both be true."""
+    entries = [(1.0, 1.0, 1.0), (1.0, 1.0, 1.0)]
+    with pytest.raises(ValueError):
+        screen_mean(1.0, 0.0, 2.0, 1.0, entries, reporters=[0])
+    # a mean of norm 1 whose dots say it is -x: refused unless some member's word is the lie
+    far = [(1.0, 1.0, -1.0), (1.0, 1.0, -1.0), (1.0, 1.0, -1.0)]
+    assert not screen_mean(1.0, 0.0, 2.0, 1.0, far, vouched=[(0, 1.0, -1.0), (1, 1.0, -1.0)])
+    assert screen_mean(1.0, 0.0, 2.0, 1.0, far, reporters=[0, 0, 1], vouched=[(0, 1.0, -1.0)])
