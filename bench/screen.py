@@ -112,7 +112,8 @@ def main() -> None:
           f"P={args.fragments}, {args.codec}, clip {args.clip:g} ...", file=sys.stderr, flush=True)
     run_simulation(SimulationConfig(train=tc, workers=args.workers, steps=args.steps, eval_batches=2), corpus)
 
-    rows = [{"told": lie, "witnesses": w, "parts": len(v), "kept": sum(v), "refused_share": 1 - sum(v) / max(1, len(v))}
+    rows = [{"told": lie, "witnesses": "two" if w else "none", "parts": len(v), "kept": sum(v),
+             "refused_share": 1 - sum(v) / max(1, len(v))}
             for (lie, w), v in kept.items()]
     print_table(rows, [("told", "what the reducer sent", "s"), ("witnesses", "witnesses", "s"), ("parts", "parts", "d"),
                        ("kept", "kept", "d"), ("refused_share", "refused", ".0%")])

@@ -1,10 +1,11 @@
 """Butterfly all-reduce of one fragment's flat fp32 vector among a formed group, over libp2p.
 
 The arithmetic is ``protocol.butterfly``'s and must match ``peer.simulation.allreduce`` bit for
-bit: member j reduces slice j. Every member encodes its foreign slices with the group's codec
-and pushes them (``PushSlice``) to their reducers; reducer j accumulates in fp32, in member
-index order, ``weight_i / total * decode(slice_i)`` for every contributor i (its own slice
-unencoded, at its own index), each first scaled down to at most ``clip`` x the lower median
+bit: member j reduces slice j. Every member encodes its slices with the group's codec and
+pushes the foreign ones (``PushSlice``) to their reducers, and its own to its two witnesses
+(``peer.round_witness``); reducer j accumulates in fp32, in member index order,
+``weight_i / total * decode(slice_i)`` for every contributor i (its own slice as encoded too,
+at its own index), each first scaled down to at most ``clip`` x the lower median
 of their norms (``protocol.butterfly.clip_scales``: the robust mean), encodes that mean once
 and pushes it (``SliceAveraged``) to every other contributor. Every member, the reducer
 included, keeps the *decoded* mean, so all members that got part j hold the same bytes for it.
@@ -297,12 +298,6 @@ class Averager(InboundMixin, SendMixin):
             push_deadline = t0 + group.deadline_s
             end_deadline = t0 + (1 + RESULT_GRACE) * group.deadline_s
             rnd.agree_deadline = t0 + (1 + RESULT_GRACE + AGREE_GRACE) * group.deadline_s
-            if rnd.size(me):  # our own slice, as we will average it, and as our witnesses get it
-                s, e = rnd.bounds[me]
-                own = encode_chunks(rnd, me, vec[s:e], self.max_frame_bytes)
-                rnd.own(own, self._frames(rnd, me, own, group.weights[me], None))
-                for w in rnd.witnesses[me]:
-                    tasks.append(asyncio.create_task(self._deliver(rnd, w, rnd.own_frames, push_deadline, sent, False)))
             for j in range(rnd.n):
                 if j != me and rnd.size(j):
                     s, e = rnd.bounds[j]
@@ -310,6 +305,13 @@ class Averager(InboundMixin, SendMixin):
                     rnd.pushing(j, encoded)  # what its reducer will average: our report's norm and dot of it
                     frames = self._frames(rnd, j, encoded, group.weights[me], None)
                     tasks.append(asyncio.create_task(self._deliver(rnd, j, frames, push_deadline, sent, True)))
+            if rnd.size(me):  # our own slice, as we will average it, and as our witnesses get it (after our
+                # pushes: a witness that has not started the round buffers both, and needs our push more)
+                s, e = rnd.bounds[me]
+                own = encode_chunks(rnd, me, vec[s:e], self.max_frame_bytes)
+                rnd.own(own, self._frames(rnd, me, own, group.weights[me], None))
+                for w in rnd.witnesses[me]:
+                    tasks.append(asyncio.create_task(self._deliver(rnd, w, rnd.own_frames, push_deadline, sent, False)))
             await self._wait(rnd, rnd.pushes_done, push_deadline)
             phases = [loop.time() - t0]
             rnd.collecting_pushes = False
@@ -362,7 +364,7 @@ class Averager(InboundMixin, SendMixin):
         fallback, implausible, conformed = landing.fallback, landing.implausible, landing.conformed
         self._tell_landed(rnd, [i for i in range(rnd.n) if i != me and i not in rnd.finals and i not in rnd.gone])
         rnd.retire()
-        self.audits.after(rnd, fallback, suspect=landing.inconsistent + rnd.unwitnessed)
+        self.audits.after(rnd, fallback, suspect=landing.inconsistent + rnd.unwitnessed())
         if landing.disputed:
             log.warning("members hold different means of one part parts=%s group=%s: its reducer sent "
                         "different ones", list(landing.disputed), gid.hex())

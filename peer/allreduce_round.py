@@ -148,7 +148,6 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         self.witnessed: dict[int, list[tuple[int, int, bytes, bytes, bytes]]] = {j: [] for j in self.witnessing}
         self.mean_own: dict[int, dict[int, bytes]] = {}  # part -> offset -> its mean chunk's ``own``
         self.vouches: dict[int, dict[int, tuple[float, float]]] = {}  # part -> witness -> (norm, dot) it vouched
-        self.unwitnessed: list[int] = []  # parts we witness whose mean came and its reducer's own slice did not
         self.pushed = [0] * self.n
         # reduced parts from the other reducers: elements covered and contributors seen
         self.got = [0] * self.n

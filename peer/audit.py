@@ -70,11 +70,17 @@ class _Open:
         self.budget = self.contributors * (4 * self.size + 4096 * (1 + self.size // 4096))  # bytes we take
         self.frames: list[bytes] = []
         self.covered: Counter[bytes] = Counter()  # signer -> elements
+        self.seen: set[tuple[bytes, int]] = set()  # (signer, offset) taken
         self.done = asyncio.Event()
 
     def take(self, v: Verified, data: bytes) -> None:
-        if self.done.is_set() or len(data) > self.budget:
+        """A frame of the answer: one per signer and offset (a frame sent again because its
+        acknowledgement was late, or the reducer's own slice reaching us late as its witness,
+        is the same frame: counted twice, it would make an honest answer look wrong)."""
+        where = (bytes(v.signer), v.message.offset)  # type: ignore[attr-defined]
+        if self.done.is_set() or len(data) > self.budget or where in self.seen:
             return
+        self.seen.add(where)
         self.budget -= len(data)
         self.frames.append(bytes(data))
         self.covered[v.signer] += v.message.numel  # type: ignore[attr-defined]

@@ -259,9 +259,9 @@ class IntakeMixin:
         contrib = tuple(msg.contributors)
         if self.contributors.setdefault(j, contrib) != contrib:
             raise RemoteProtocolError("contributors differ between chunks of one part")
-        self.mean_own.setdefault(j, {})[msg.offset] = bytes(msg.own)
         _check_disjoint([(o, n) for o, n, _ in self.mean_chunks.setdefault(j, [])], msg.offset, msg.numel)
         decoded = self.codec.decode(msg.payload, msg.numel)  # raises on bad bytes or non-finite values
+        self.mean_own.setdefault(j, {})[msg.offset] = bytes(msg.own)
         self.result[msg.offset:msg.offset + msg.numel] = decoded
         self.mean_errors.setdefault(j, {})[msg.offset] = self.codec.error_bound(msg.payload, msg.numel) ** 2
         self.mean_chunks[j].append((msg.offset, msg.numel, payload_digest))

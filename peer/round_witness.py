@@ -59,14 +59,7 @@ class WitnessMixin:
         its mean, and the mean commits to it chunk by chunk; a chunk that contradicts the mean
         is kept as proof (``offences``)."""
         chunks = self.witnessed[j]
-        if not self.size(j) or not self.holds(j):
-            return None
-        if sum(c[1] for c in chunks) != self.size(j):
-            # its mean came, its own slice did not (withheld, or late): we audit the part, so
-            # a reducer that keeps its witnesses out of the screen has its mean checked anyway
-            log.info("witnessed slice missing part=%d peer=%s group=%s: auditing its mean", j, self.peer_ids[j],
-                     self.group.group_id.hex())
-            self.unwitnessed.append(j)
+        if not self.size(j) or not self.holds(j) or sum(c[1] for c in chunks) != self.size(j):
             return None
         means = list(zip(self.mean_chunks[j], self.frames[j]))
         own = self.mean_own.get(j, {})
@@ -91,6 +84,19 @@ class WitnessMixin:
                     j, self.peer_ids[j], self.group.group_id.hex())
         if len(self.offences) < MAX_OFFENCES and proven[0] not in self.offences:
             self.offences[proven[0]] = (proven[0], proven[1], (mean_frame, own_frame))
+
+    def unwitnessed(self) -> list[int]:
+        """Parts we witness, hold as the round ends, and did not vouch for: their mean came
+        without the own slice, or after our report (withheld from us, sent late, or we were
+        left out of its contributors), so the screen had one witness fewer. We audit them
+        whatever the rate (``peer.audit``): a reducer that keeps a witness out of the screen has
+        its mean checked anyway. A part its own slice proved wrong needs no audit."""
+        out = [j for j in self.witnessing if self.holds(j) and self.me not in self.vouches.get(j, {})
+               and bytes(self.group.members[j]) not in self.offences and j not in self.convicted]
+        for j in out:
+            log.info("witnessed part not vouched for part=%d peer=%s group=%s: auditing its mean", j,
+                     self.peer_ids[j], self.group.group_id.hex())
+        return out
 
     def _take_vouches(self, i: int, witness: tuple[float, ...]) -> None:
         """Member i's report's ``PartsHeld.witness``: its vouches for the parts it witnesses."""

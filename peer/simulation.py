@@ -80,8 +80,8 @@ def reduce_part(vectors: list[torch.Tensor], shares: list[float], j: int, codec:
                 clip: float = 0.0) -> tuple[bytes, list[torch.Tensor], list[bytes]]:
     """Reducer j's part of a butterfly all-reduce, as ``peer.allreduce_round.Round.reduce``
     computes it (``shares``: weight / total weight). -> (its encoded mean, each member's slice
-    as the reducer averaged it (decoded: its own too, as its witness gets it), each member's
-    slice encoded (j's: what it sends its witness))."""
+    as the reducer averaged it (decoded: its own too, as its witnesses get it), each member's
+    slice encoded (j's: what it sends its witnesses))."""
     s, e = slice_bounds(vectors[0].numel(), len(vectors))[j]
     data = [codec.encode(v[s:e]) for v in vectors]
     slices = [codec.decode(d, e - s) for d in data]

@@ -3,8 +3,8 @@
 A reducer's ``SliceAveraged`` carries ``inputs``, a digest of what it averaged: for every
 contributor, its public key, its weight and the chunks of its slice (offset, size, payload
 digest), the reducer's own slice's as well: it averages its own slice encoded with the part's
-codec, as it sent it to its witness (``protocol.butterfly.witness_of``), in ``PushSlice``
-frames of its own part signed by itself (``inputs_digest``). Everyone who holds the part sees
+codec, in ``PushSlice`` frames of its own part signed by itself, the ones it sends its
+witnesses in groups that have them (``protocol.butterfly.witnesses_of``) (``inputs_digest``). Everyone who holds the part sees
 the same commitment. A member that audits the part asks the reducer for those inputs
 (``AuditRequest``); the reducer answers with the contributors' ``PushSlice`` frames, signed
 by them, and its own.

@@ -165,10 +165,11 @@ def screen_mean(norm: float, error: float, clip: float, reducer_weight: float,
     believed witnesses that disagree make the world impossible (one of them lies).
 
     True (nothing to say) for a plain mean (``clip`` 0: a slice may be anything), a part with
-    no other contributor, weights that do not sum to a positive total, or a group too small for
-    the clip to bound a liar."""
+    no other contributor and no vouch (with two vouches, a reducer that counted only itself
+    must return its own slice), weights that do not sum to a positive total, or a group too
+    small for the clip to bound a liar."""
     total = reducer_weight + math.fsum(w for w, _, _ in others)
-    if not clip or not others or not (total > 0 and math.isfinite(total)):
+    if not clip or not (others or vouched) or not (total > 0 and math.isfinite(total)):
         return True
     who = list(range(len(others))) if reporters is None else list(reporters)
     if len(who) != len(others):
@@ -178,10 +179,11 @@ def screen_mean(norm: float, error: float, clip: float, reducer_weight: float,
     def fits(liar: int | None) -> bool:
         unknown = silent | {i for i in range(len(others)) if who[i] == liar}
         believed = [(n, d) for w, n, d in vouched if w != liar]
-        if any(not (math.isclose(n, believed[0][0], rel_tol=1e-9) and math.isclose(d, believed[0][1], rel_tol=1e-9,
-                                                                                   abs_tol=1e-300))
+        if any(not (math.isclose(n, believed[0][0], rel_tol=1e-9)
+                    and math.isclose(d, believed[0][1], rel_tol=1e-9, abs_tol=1e-9 * norm * max(n, believed[0][0])))
                for n, d in believed[1:]):
-            return False  # two members that do not lie in this world said different things
+            return False  # two members that do not lie in this world said different things (beyond the
+            # rounding of a float64 dot summed in another order)
         known = [n for i, (_, n, _) in enumerate(others) if i not in unknown] + [n for n, _ in believed[:1]]
         low, high = median_range(known, len(unknown) + (0 if believed else 1))
         if not math.isfinite(high):

@@ -221,10 +221,10 @@ class SliceAveraged(_Slice):
     fetches those inputs recomputes the mean; a mean that does not follow from the inputs
     it committed to proves that the reducer lied."""
     own: Annotated[bytes, Bytes((DIGEST_BYTES,))]
-    """The reducer's own share of ``inputs`` (``protocol.audit.contribution_digest`` of its own
-    slice's chunks): a witness (``protocol.butterfly.witnesses_of``) vouches for the slice it
-    got only if it matches; one that does not, signed by the same reducer, proves a lie
-    (``protocol.evidence.own_contradiction``)."""
+    """The payload digest of the reducer's own slice's chunk over the same elements (it cuts
+    its own slice and its mean alike): a witness (``protocol.butterfly.witnesses_of``) vouches
+    for the own slice it got only if every chunk matches; one that does not, signed by the same
+    reducer, proves a lie (``protocol.evidence.own_contradiction``)."""
     payload: Bulk
 
     def check(self) -> None:

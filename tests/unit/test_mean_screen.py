@@ -229,3 +229,17 @@ def test_a_members_entries_are_one_members_word():
     far = [(1.0, 1.0, -1.0), (1.0, 1.0, -1.0), (1.0, 1.0, -1.0)]
     assert not screen_mean(1.0, 0.0, 2.0, 1.0, far, vouched=[(0, 1.0, -1.0), (1, 1.0, -1.0)])
     assert screen_mean(1.0, 0.0, 2.0, 1.0, far, reporters=[0, 0, 1], vouched=[(0, 1.0, -1.0)])
+
+
+def test_a_reducer_that_counted_only_itself_must_return_its_vouched_own_slice():
+    x = torch.randn(N, generator=torch.Generator().manual_seed(7))
+    codec = get_codec("fp4")
+    data = codec.encode(x)
+    own = codec.decode(data, N)
+    for told, ok in ((own, True), (-own, False), (3 * own, False)):
+        payload = codec.encode(told)
+        m = codec.decode(payload, N)
+        vouch = (slice_norm(own), float(torch.dot(m.double(), own.double())))
+        assert screen_mean(slice_norm(m), codec.error_bound(payload, N), 2.0, 1.0, [],
+                           vouched=[(1, *vouch), (2, *vouch)]) is ok
+        assert screen_mean(slice_norm(m), codec.error_bound(payload, N), 2.0, 1.0, [], vouched=[(1, *vouch)])

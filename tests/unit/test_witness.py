@@ -106,3 +106,22 @@ def test_an_own_slice_sent_to_a_member_that_is_not_its_witness_drops_the_sender(
     j = next(j for j in range(1, N) if j != 1 and j not in rnd.witnessing)
     deliver(rnd, own_push(OWN, offset=10 * j, signer=KEYS[j], part=j))
     assert j in rnd.dropped
+
+
+def test_a_witnessed_part_landed_without_our_vouch_is_audited():
+    """Its own slice never came, or its mean came after our report: the screen had one witness
+    fewer, so we audit the part (``Audits.after``'s suspects); a vouched or proven part, not."""
+    rnd = witness()
+    deliver(rnd, mean_frame(MEAN, OWN))
+    rnd.witness_report()
+    assert rnd.unwitnessed() == [0]
+    vouched = witness()
+    deliver(vouched, own_push(OWN))
+    deliver(vouched, mean_frame(MEAN, OWN))
+    vouched.witness_report()
+    assert vouched.unwitnessed() == []
+    proven = witness()
+    deliver(proven, own_push(-OWN))
+    deliver(proven, mean_frame(MEAN, OWN))
+    proven.witness_report()
+    assert proven.unwitnessed() == []
