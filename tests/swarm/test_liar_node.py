@@ -208,7 +208,7 @@ def test_a_reducer_that_keeps_its_own_slice_from_its_witnesses_has_its_means_aud
         3: {"SWARMSTREAM_FAULT": "lie:negate+blind"}, **{i: {"SWARMSTREAM_LOG": "INFO"} for i in HONEST}})
     logs = [(tmp_path / "attacked" / f"peer{i}.log").read_text() for i in HONEST]
     liar = peer_id_from_public_key(load_or_create_identity(setup / "peer3.key").public_key)
-    assert any("witnessed slice missing" in text for text in logs), "no witness noticed"
+    assert any("witnessed part not vouched for" in text for text in logs), "no witness noticed"
     for i, text in zip(HONEST, logs):
         assert f"banned peer={liar} reason=SliceAveraged: a mean of part" in text, f"peer {i} did not ban the liar"
     assert not any("banned peer=" in line and liar not in line for text in logs for line in text.splitlines())
