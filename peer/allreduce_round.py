@@ -135,11 +135,12 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         self.pushes: dict[int, list[tuple[int, int, Any]]] = {}
         # and as signed: sender -> [(offset, numel, payload digest, frame)], kept to show an auditor
         self.push_frames: dict[int, list[tuple[int, int, bytes, bytes]]] = {}
-        # our own slice of our part as we average it: encoded in chunks [(start, end, bytes)], and
-        # as the signed PushSlices our witnesses get (and an auditor)
-        self.own_encoded: list[tuple[int, int, bytes]] = []
+        # our own slice of our part as we average it: encoded in chunks [(offset, numel, bytes)], and
+        # as the signed PushSlices our witnesses get (and an auditor); kept past the round once
+        # our mean committed to it (``commit``), for an audit
+        self.own_chunks: list[tuple[int, int, bytes]] = []
         self.own_frames: list[Frame] = []
-        self.own_chunks: list[tuple[int, int, bytes]] = []  # the same, committed to: [(offset, numel, bytes)]
+        self.committed = False
         self.witnesses = [witnesses_of(j, self.n, group.group_id) if witnessed(self.n, clip) else ()
                           for j in range(self.n)]
         """Member j's witnesses (``protocol.butterfly.witnesses_of``; none in a group without)."""
@@ -249,10 +250,10 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         self.repairs.clear()
         self.pushes.clear()
         self.pushed_out.clear()
-        self.own_encoded = []
         self.witnessed = {j: [] for j in self.witnessing}
-        if not self.own_chunks:
+        if not self.committed:
             self.push_frames.clear()
+            self.own_chunks, self.own_frames = [], []
         self.vector = self.vector[:0]
         self.tasks = []
 
@@ -261,12 +262,12 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         contribution scaled down to ``clip`` x the lower median norm first, as
         peer.simulation.allreduce does it. -> (fp32 mean, contributors, their total weight)."""
         me, (s, e) = self.me, self.bounds[self.me]
-        if sum(b - a for a, b, _ in self.own_encoded) != e - s:
+        if sum(n for _, n, _ in self.own_chunks) != e - s:
             raise RuntimeError("Round.own() gives our own slice before reduce()")
         contrib = tuple(i for i in range(self.n)
                         if i == me or (i not in self.dropped and i not in self.excluded and self.pushed[i] == e - s))
         total_w = float(sum(self.group.weights[i] for i in contrib))
-        own = [(a, b - a, payload) for a, b, payload in self.own_encoded]
+        own = self.own_chunks
         norms = [slice_norm(self._decoded(i, own if i == me else None)) for i in contrib]
         scales = clip_scales(norms, self.clip)
         acc = torch.zeros(e - s, dtype=torch.float32)
@@ -284,18 +285,18 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
     def own(self, encoded: list[tuple[int, int, bytes]], frames: list[Frame]) -> None:
         """Our own slice of our part, encoded in chunks [(start, end, bytes)] as we average it
         (``reduce``), and sealed as the ``PushSlice`` frames our witnesses get."""
-        self.own_encoded, self.own_frames = encoded, frames
+        self.own_chunks, self.own_frames = [(a, b - a, payload) for a, b, payload in encoded], frames
 
     def own_digests(self) -> dict[int, bytes]:
         """Offset -> payload digest of each chunk of our own slice (``SliceAveraged.own`` of our
         mean's chunk at that offset: we chunk both alike)."""
-        return {a: digest(payload) for a, _, payload in self.own_encoded}
+        return {a: digest(payload) for a, _, payload in self.own_chunks}
 
     def commit(self, contrib: tuple[int, ...]) -> bytes:
         """Our commitment to the inputs of our mean (``protocol.audit.inputs_digest``), our own
         slice as we encoded it (``own``); the inputs are kept to show a member that audits it."""
         me = self.me
-        self.own_chunks = [(a, b - a, payload) for a, b, payload in self.own_encoded]
+        self.committed = True
         self.push_frames = {i: f for i, f in self.push_frames.items() if i in contrib}
         shares = []
         for i in contrib:

@@ -248,7 +248,7 @@ class Audits:
         av = self.averager
         gid = bytes(msg.group_id)
         rnd = av._active.get(gid) or av._recent.get(gid)
-        if rnd is None or msg.part != rnd.me or not rnd.own_chunks or peer_id not in rnd.index \
+        if rnd is None or msg.part != rnd.me or not rnd.committed or peer_id not in rnd.index \
                 or (gid, peer_id) in self._answered:
             log.info("audit request not answered peer=%s group=%s part=%d", peer_id, gid.hex(), msg.part)
             return

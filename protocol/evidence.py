@@ -62,16 +62,12 @@ def equivocation(frame_a: bytes, frame_b: bytes, run_id: bytes) -> tuple[bytes, 
     ``run_id``, both validly signed by one key, for the same fragment, round, group and part,
     over overlapping element ranges, and not the same mean (other contributors, or other
     values: what a member's digest of the part covers); None otherwise."""
-    try:
-        a, b = (verify(f, expect=(SliceAveraged,), run_id=run_id, max_size=MAX_FRAME_BYTES) for f in (frame_a, frame_b))
-    except RemoteProtocolError:
+    pair = _overlapping(frame_a, SliceAveraged, frame_b, SliceAveraged, run_id)
+    if pair is None:
         return None
-    if a.signer != b.signer or _where(a) != _where(b):
-        return None
-    ma, mb = a.message, b.message
-    assert isinstance(ma, SliceAveraged) and isinstance(mb, SliceAveraged)
-    if not (ma.offset < mb.offset + mb.numel and mb.offset < ma.offset + ma.numel):
-        return None  # two chunks of one part: both may be honest
+    a, b = pair
+    ma = a.message
+    assert isinstance(ma, SliceAveraged)
     if _what(a) == _what(b):
         return None  # the same mean (a resend): honest
     return a.signer, (f"SliceAveraged: two different means of part {ma.part} of one group "
@@ -83,17 +79,12 @@ def own_contradiction(mean_frame: bytes, own_frame: bytes, run_id: bytes) -> tup
     a ``PushSlice`` of the same part of the same group (run ``run_id``), both validly signed by
     the reducer of that part, over overlapping elements, and the push is not the own chunk the
     mean commits to (other offsets, or another payload digest than ``own``); None otherwise."""
-    try:
-        mean = verify(mean_frame, expect=(SliceAveraged,), run_id=run_id, max_size=MAX_FRAME_BYTES)
-        own = verify(own_frame, expect=(PushSlice,), run_id=run_id, max_size=MAX_FRAME_BYTES)
-    except RemoteProtocolError:
+    pair = _overlapping(mean_frame, SliceAveraged, own_frame, PushSlice, run_id)
+    if pair is None:
         return None
-    if mean.signer != own.signer or _where(mean) != _where(own):
-        return None
+    mean, own = pair
     m, p = mean.message, own.message
     assert isinstance(m, SliceAveraged) and isinstance(p, PushSlice)
-    if not (m.offset < p.offset + p.numel and p.offset < m.offset + m.numel):
-        return None  # other elements: both may be honest
     if (m.offset, m.numel) == (p.offset, p.numel) and bytes(m.own) == bytes(own.payload_digest):
         return None  # the chunk it committed to
     return mean.signer, (f"PushSlice: its own slice of part {m.part} (round {m.round}, fragment {m.fragment}) sent "
@@ -114,6 +105,24 @@ def proves(frames: Sequence[bytes], run_id: bytes, clip: float = 0.0) -> tuple[b
     if len(frames) >= 2:
         return wrong_mean(frames, run_id, clip)
     return None
+
+
+def _overlapping(frame_a: bytes, kind_a: type, frame_b: bytes, kind_b: type,
+                 run_id: bytes) -> tuple[Verified, Verified] | None:
+    """The two frames verified (run ``run_id``), if they are of the kinds asked, signed by one
+    key, of the same part of one group, and over overlapping elements; None otherwise (then
+    both may be honest)."""
+    try:
+        a = verify(frame_a, expect=(kind_a,), run_id=run_id, max_size=MAX_FRAME_BYTES)
+        b = verify(frame_b, expect=(kind_b,), run_id=run_id, max_size=MAX_FRAME_BYTES)
+    except RemoteProtocolError:
+        return None
+    if a.signer != b.signer or _where(a) != _where(b):
+        return None
+    ma, mb = a.message, b.message
+    if not (ma.offset < mb.offset + mb.numel and mb.offset < ma.offset + ma.numel):  # type: ignore[attr-defined]
+        return None
+    return a, b
 
 
 def _where(v: Verified) -> tuple:
