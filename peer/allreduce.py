@@ -284,6 +284,8 @@ class Averager(InboundMixin, SendMixin):
         rnd = Round(group, me, vec, get_codec(group.codec), self.clip, excluded, self.banned)
         rnd.stopping = stopping
         self._active[gid] = rnd
+        if excluded:
+            self.audits.spread(rnd)
         kept_waiting = self._pending.waited(gid, [p for i, p in enumerate(rnd.peer_ids) if i != me])
         for peer_id, item, nbytes, data in self._pending.pop(gid):  # in arrival order
             if isinstance(item, StreamEnded):

@@ -32,6 +32,7 @@ import asyncio
 import logging
 import random
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -56,6 +57,7 @@ log = logging.getLogger("peer.allreduce")
 _ANSWERED_MEMORY = 1024  # (group, member) pairs answered: each member is answered once per group
 _WAIT = 2.0  # x the round's deadline: how long an auditor waits for the inputs
 _MAX_CHECKED = 256  # pieces of evidence we check per sender (each may cost a recomputation)
+_SPREAD_MEMORY = 4096  # (member, liar) pairs we handed a proof to at a round's start
 _MAX_REFUSED = 16  # and that prove nothing: past either, its evidence is dropped unread
 
 
@@ -104,6 +106,10 @@ class Audits:
         self._convicted: set[bytes] = set()  # keys we hold proof against (ours, or handed on)
         self._checked: Counter[str] = Counter()  # peer ID -> evidence of theirs we checked
         self._refused: Counter[str] = Counter()  # peer ID -> evidence of theirs that proved nothing
+        self._spread: set[tuple[str, bytes]] = set()  # (peer ID, liar's key): proofs we handed on at a round's start
+        self.proof_of: Callable[[bytes], tuple[bytes, ...] | None] = lambda key: None
+        """The signed frames that prove a key lied, if we keep them (the node's ``peer.bans``);
+        called off the event loop."""
         self.distrust: Distrust | None = None
         """The matchmaking's ``peer.distrust.Distrust`` (the node sets it): a convicted reducer is
         banned from it, one that did not show its inputs suspended, as soon as the verdict is in
@@ -176,17 +182,48 @@ class Audits:
     def _share(self, rnd: Round, j: int, proof: tuple[bytes, ...]) -> None:
         """Hand the proof on to the group's other members: each checks it and bans the liar too,
         without auditing it itself."""
+        self._send_proof(rnd, proof, [p for i, p in enumerate(rnd.peer_ids) if i not in (rnd.me, j)])
+
+    def _send_proof(self, rnd: Round, proof: tuple[bytes, ...], peer_ids: list[str]) -> None:
         av, g = self.averager, rnd.group
         payload = msgpack.packb(list(proof), use_bin_type=True)
         if len(payload) + 4096 > av.max_frame_bytes:
             log.info("proof too large to hand on bytes=%d group=%s", len(payload), g.group_id.hex())
             return
         frame = [seal_parts(Evidence(run_id=g.run_id, payload=payload), av.identity)]
-        for i, peer_id in enumerate(rnd.peer_ids):
-            if i not in (rnd.me, j):
-                task = asyncio.create_task(self._send(peer_id, frame, _WAIT * g.deadline_s))
-                av._side_tasks.add(task)
-                task.add_done_callback(av._side_tasks.discard)
+        for peer_id in peer_ids:
+            task = asyncio.create_task(self._send(peer_id, frame, _WAIT * g.deadline_s))
+            av._side_tasks.add(task)
+            task.add_done_callback(av._side_tasks.discard)
+
+    def spread(self, rnd: Round) -> None:
+        """Members we banned are in this round's group (a leader that has not seen the proof
+        named them): hand our proof against each to the group's other members, once per
+        member and liar, so that a ban follows the liar into every group it joins beside a
+        member that holds the proof, not only the group it lied to."""
+        for i in sorted(rnd.excluded):
+            key = bytes(rnd.group.members[i])
+            to = [p for j, p in enumerate(rnd.peer_ids)
+                  if j != rnd.me and j not in rnd.excluded and (p, key) not in self._spread]
+            if to:
+                if len(self._spread) + len(to) > _SPREAD_MEMORY:
+                    self._spread.clear()  # at worst, a proof is sent again
+                self._spread.update((p, key) for p in to)
+                task = asyncio.create_task(self._spread_proof(rnd, key, to))
+                self.averager._side_tasks.add(task)
+                task.add_done_callback(self.averager._side_tasks.discard)
+
+    async def _spread_proof(self, rnd: Round, key: bytes, peer_ids: list[str]) -> None:
+        try:
+            proof = await asyncio.to_thread(self.proof_of, key)  # read from disk
+        except Exception as e:  # noqa: BLE001  (a proof we cannot read: nothing to hand on)
+            log.info("could not read our proof against peer=%s detail=%r", peer_id_from_public_key(key), e)
+            return
+        if not proof:
+            return  # banned for this session only (no evidence kept): nothing to show
+        log.info("handing on our proof against peer=%s to peers=%s group=%s", peer_id_from_public_key(key),
+                 peer_ids, rnd.group.group_id.hex())
+        self._send_proof(rnd, tuple(proof), peer_ids)
 
     def hand_on(self, rnd: Round, offences) -> None:
         """Proven lies seen in a round (``AllReduceOutcome.offences``): hand each proof on to the

@@ -102,6 +102,23 @@ class Bans:
         log.warning("banned peer=%s reason=%s evidence=%s", peer_id, proven[1], self.directory / name)
         return True
 
+    def evidence(self, key: bytes) -> tuple[bytes, ...] | None:
+        """The signed frames on disk that prove ``key`` lied, or None (not banned, banned for
+        this session only, or the file is gone or unreadable). Reads only: safe from any thread."""
+        if bytes(key) not in self._bans:
+            return None
+        peer_id = peer_id_from_public_key(key)
+        for path in (self.directory / f"{peer_id}.frame", self.directory / f"{peer_id}.frames"):
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                log.info("could not read ban evidence path=%s reason=%s", path, e.strerror)
+                return None
+            return _frames(path, data) or None
+        return None
+
     def reason(self, key: bytes) -> str | None:
         ban = self._bans.get(bytes(key))
         return ban.reason if ban else None

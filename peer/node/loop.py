@@ -166,6 +166,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             self.averager.banned = self.bans.peer_ids  # one set: a ban holds from the next round on
             self.matchmaker.distrusted.ban_all(public_key_from_peer_id(b.peer_id) for b in self.bans.items())
             self.averager.audits.distrust = self.matchmaker.distrusted  # its verdicts come on the network thread
+            self.averager.audits.proof_of = self.bans.evidence  # handed on to a banned member's groups
             self.state_digest = b""
             self.state_rounds: tuple[int, ...] = ()  # the rounds state_digest is at
             self._publishing: list = []  # (rounds, lineage, future) of each state being published, oldest first

@@ -7,6 +7,7 @@ peer reports its p2pd's PID so that cleanup can end the daemon even when the pee
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -20,7 +21,10 @@ import torch
 from peer.allreduce import RESULT_GRACE
 from peer.simulation import allreduce as simulated_allreduce
 from protocol.butterfly import clip_scales, slice_bounds, slice_norm
+from peer.identity_store import load_or_create_identity
 from protocol.codecs import get_codec
+from protocol.envelope import seal
+from protocol.messages_swarm import PushSlice
 from swarm_util import kill_process_group
 
 pytestmark = pytest.mark.swarm
@@ -76,7 +80,11 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
             logs.lines.clear()
             if cmd == "ban":  # peer IDs this member banned for a proven lie (peer.bans keeps them in a node)
                 av.banned = set(args[0])
+                proofs = args[1] if len(args) > 1 else {}  # key -> the frames that prove it
+                av.audits.proof_of = proofs.get
                 out_q.put(("banned",))
+            elif cmd == "convicted":  # wait (up to args[0] s) for proof handed to us, as the node would take it
+                out_q.put(("convicted", net.call(_convicted(av, args[0]), args[0] + 5)))
             elif cmd == "cap":  # the volunteer's bandwidth caps, bytes per second
                 av.upload.set_rate(args[0])
                 av.download.set_rate(args[1])
@@ -110,6 +118,15 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
                 out = net.call(av.allreduce(group, make_vector(seed), weight), 60)
                 out_q.put(("matched", dataclasses.asdict(group), out.average.numpy().tobytes()))
         net.call(av.shutdown(), 10)
+
+
+async def _convicted(av, timeout: float) -> list[bytes]:
+    """The keys of the liars proven to ``av`` (``Audits.offences``), once there is one."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not av.audits.offences and loop.time() < end:
+        await asyncio.sleep(0.05)
+    return [key for key, _why, _proof in av.audits.offences]
 
 
 def fault(av, behaviour: str) -> None:
@@ -380,13 +397,20 @@ def test_forged_misshapen_nan_and_short_slices_drop_their_sender(swarm):
     assert all(torch.equal(a[:s], results[0][:s]) for a in results)  # identical outside the fallback part
 
 
-def test_a_banned_members_pushes_are_left_out_by_the_reducer_that_banned_it_and_all_still_agree(swarm):
+def test_a_banned_members_pushes_are_left_out_by_the_reducer_that_banned_it_and_all_still_agree(swarm, tmp_path):
     """Member 0 banned member 2 (a proven lie in an earlier round; the others have not seen
     it). Member 0's part is the mean of 0 and 1 only; every other part counts all three; and
-    since each reducer decides its own contributors, all three land the same average."""
+    since each reducer decides its own contributors, all three land the same average. Member
+    0 hands its proof to member 1 as the round starts, so member 1 bans member 2 as well."""
     peers = swarm(3)
     weights = [1.0, 2.0, 3.0]
-    peers[0].cmd.put(("ban", [_peer_id(peers[2].public_key)]))
+    liar = load_or_create_identity(str(tmp_path / "peer2.key"))
+    assert liar.public_key == peers[2].public_key
+    nan = torch.full((16,), float("nan")).numpy().tobytes()
+    proof = seal(PushSlice(run_id=RUN_ID, fragment=3, round=2, group_id=b"earlier".ljust(16, b"\0"), part=0,
+                           offset=0, numel=16, shape=(16,), dtype="float32", codec="fp32", weight=1.0,
+                           stopping=False, payload=nan), liar)  # what it pushed an earlier round
+    peers[0].cmd.put(("ban", [_peer_id(peers[2].public_key)], {peers[2].public_key: (proof,)}))
     assert peers[0].reply()[0] == "banned"
     fields = group_fields(peers, weights, "fp4", group_id=b"banned".ljust(16, b"\0"))
     for i, p in enumerate(peers):
@@ -402,6 +426,10 @@ def test_a_banned_members_pushes_are_left_out_by_the_reducer_that_banned_it_and_
     assert torch.equal(got[bounds[0][0]:bounds[0][1]], ref_without[0])
     for j in (1, 2):
         assert torch.equal(got[bounds[j][0]:bounds[j][1]], ref_all[j])
+    peers[1].cmd.put(("convicted", 20.0))
+    assert peers[1].reply() == ("convicted", [peers[2].public_key])
+    peers[2].cmd.put(("convicted", 0.5))
+    assert peers[2].reply() == ("convicted", [])  # nobody hands the liar its own proof
 
 
 def test_asymmetric_drops_are_repaired_within_the_round_so_every_member_lands_the_same_average(swarm):

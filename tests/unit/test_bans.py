@@ -63,6 +63,11 @@ def test_a_ban_is_saved_with_its_evidence_and_holds_after_a_restart(tmp_path):
     again.load()
     assert again.peer_ids == {LIAR.peer_id} and again.reason(LIAR.public_key) == bans.reason(LIAR.public_key)
     assert [b.peer_id for b in again.items()] == [LIAR.peer_id]
+    assert again.evidence(LIAR.public_key) == (bad,)  # what a banned member's groups are handed
+    assert again.evidence(OTHER.public_key) is None
+    (tmp_path / "bans" / f"{LIAR.peer_id}.frame").unlink()
+    assert again.evidence(LIAR.public_key) is None  # gone: nothing to hand on, still banned
+    assert LIAR.peer_id in again.peer_ids
 
 
 def test_evidence_that_proves_nothing_bans_nobody_and_is_left_in_place(tmp_path, caplog):
