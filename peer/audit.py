@@ -58,7 +58,9 @@ _ANSWERED_MEMORY = 1024  # (group, member) pairs answered: each member is answer
 _WAIT = 2.0  # x the round's deadline: how long an auditor waits for the inputs
 _MAX_CHECKED = 256  # pieces of evidence we check per sender (each may cost a recomputation)
 _SPREAD_MEMORY = 4096  # (member, liar) pairs we handed a proof to at a round's start
-_MAX_REFUSED = 16  # and that prove nothing: past either, its evidence is dropped unread
+_MAX_REFUSED = 16
+_MAX_CHECKING = 8  # proofs handed to us waiting to be checked (one at a time); past it, or
+_MAX_CHECKING_BYTES = 128 << 20  # past their bytes, dropped unread  # and that prove nothing: past either, its evidence is dropped unread
 
 
 class _Open:
@@ -106,6 +108,9 @@ class Audits:
         self._convicted: set[bytes] = set()  # keys we hold proof against (ours, or handed on)
         self._checked: Counter[str] = Counter()  # peer ID -> evidence of theirs we checked
         self._refused: Counter[str] = Counter()  # peer ID -> evidence of theirs that proved nothing
+        self._checking: set[asyncio.Task[None]] = set()  # checks of proof handed to us, under way or waiting
+        self._checking_bytes = 0
+        self._one_check = asyncio.Semaphore(1)
         self._spread: set[tuple[str, bytes]] = set()  # (peer ID, liar's key): proofs we handed on at a round's start
         self.proof_of: Callable[[bytes], tuple[bytes, ...] | None] = lambda key: None
         """The signed frames that prove a key lied, if we keep them (the node's ``peer.bans``);
@@ -148,7 +153,7 @@ class Audits:
             log.info("audit got no full answer part=%d reducer=%s detail=%r", j, pending.reducer, e)
         finally:
             del self._open[key]
-        verdict, reducer, why = check(mean_frames, pending.frames, g.run_id, self.clip)
+        verdict, reducer, why = await asyncio.to_thread(check, mean_frames, pending.frames, g.run_id, self.clip)
         self.counts[verdict] += 1
         suspended, lied = 0, False
         if verdict == UNPROVEN and self.distrust is not None:
@@ -234,11 +239,13 @@ class Audits:
                 self._share(rnd, rnd.index.get(peer_id_from_public_key(key), rnd.me),
                             (evidence,) if isinstance(evidence, bytes) else tuple(evidence))
 
-    def evidence(self, peer_id: str, msg: Evidence) -> None:
+    def evidence(self, peer_id: str, msg: Evidence) -> asyncio.Task[None] | None:
         """Proof handed on by ``peer_id``: checked here (it vouches for nothing), at most
-        ``_MAX_CHECKED`` times per sender."""
+        ``_MAX_CHECKED`` times per sender, one at a time off the event loop (an audit's proof is
+        a recomputation); past ``_MAX_CHECKING`` waiting (or their bytes), dropped unread.
+        -> the check's task, if one was started."""
         if self._refused[peer_id] >= _MAX_REFUSED or self._checked[peer_id] >= _MAX_CHECKED:
-            return
+            return None
         self._checked[peer_id] += 1
         try:
             frames = msgpack.unpackb(msg.payload, raw=False, max_array_len=MAX_EVIDENCE_FRAMES,
@@ -248,14 +255,34 @@ class Audits:
         if not isinstance(frames, list) or not frames or not all(isinstance(f, bytes) for f in frames):
             self._refused[peer_id] += 1
             log.warning("evidence refused reason=unreadable peer=%s", peer_id)
-            return
+            return None
         try:  # whom it accuses (the signer of its first frame): no need to check proof we hold
             accused = verify(frames[0], run_id=self.averager.run_id, max_size=len(frames[0])).signer
         except RemoteProtocolError:
             accused = b""
         if accused in self._convicted or peer_id_from_public_key(accused or b"\0" * 32) in self.averager.banned:
-            return
-        proven = proves(frames, self.averager.run_id, self.clip)
+            return None
+        nbytes = sum(len(f) for f in frames)
+        if len(self._checking) >= _MAX_CHECKING or self._checking_bytes + nbytes > _MAX_CHECKING_BYTES:
+            log.info("evidence dropped unread peer=%s: %d proofs wait to be checked already", peer_id,
+                     len(self._checking))
+            return None
+        self._checking_bytes += nbytes
+        task = asyncio.create_task(self._check_evidence(peer_id, frames, nbytes, accused))
+        self._checking.add(task)
+        task.add_done_callback(self._checking.discard)
+        self.averager._side_tasks.add(task)  # cancelled at shutdown
+        task.add_done_callback(self.averager._side_tasks.discard)
+        return task
+
+    async def _check_evidence(self, peer_id: str, frames: list[bytes], nbytes: int, accused: bytes) -> None:
+        try:
+            async with self._one_check:
+                if accused in self._convicted:
+                    return  # proven by a check that ran while this one waited
+                proven = await asyncio.to_thread(proves, frames, self.averager.run_id, self.clip)
+        finally:
+            self._checking_bytes -= nbytes
         if proven is None:
             self._refused[peer_id] += 1
             log.warning("evidence refused reason=proves_nothing peer=%s", peer_id)

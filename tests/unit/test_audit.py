@@ -5,7 +5,9 @@ reducer by showing other inputs than the ones it committed to."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
 from types import SimpleNamespace
 
 import msgpack
@@ -15,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from peer.allreduce import Group
 from peer.allreduce_round import Round
+from peer import audit as audit_module
 from peer.audit import Audits, inputs_frames
 from peer.bans import Bans
 from peer.distrust import Distrust
@@ -157,12 +160,19 @@ def test_proof_handed_on_by_another_member_is_checked_here_and_convicts_only_whe
     means, shown, _ = reduce_and_audit(_vectors(3, 3 * 500, seed=11), "fp4", (1.0, 1.0, 1.0), 2.0, 256, _negate)
     honest_means, honest_shown, _ = reduce_and_audit(_vectors(3, 3 * 500, seed=11), "fp4", (1.0, 1.0, 1.0), 2.0, 256)
     distrusted = Distrust()
-    audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[4], banned=set()), rate=0.0, clip=2.0)
+    audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[4], banned=set(), _side_tasks=set()), rate=0.0,
+                    clip=2.0)
     audits.distrust = distrusted
 
     def hand_on(sender: str, frames: list[bytes] | bytes) -> None:
         payload = frames if isinstance(frames, bytes) else msgpack.packb(frames, use_bin_type=True)
-        audits.evidence(sender, Evidence(run_id=RUN, payload=payload))
+
+        async def check() -> None:  # checked off the event loop: wait for the check's verdict
+            task = audits.evidence(sender, Evidence(run_id=RUN, payload=payload))
+            if task is not None:
+                await task
+
+        asyncio.run(check())
 
     hand_on("a", honest_means + honest_shown)  # an honest mean: proves nothing
     hand_on("a", b"\x93not frames")
@@ -176,3 +186,32 @@ def test_proof_handed_on_by_another_member_is_checked_here_and_convicts_only_whe
     for _ in range(20):  # a sender whose evidence proves nothing gets a bounded number of checks
         hand_on("d", [b"not a frame", b"nor this"])
     assert audits._refused["d"] == audits._checked["d"] == 16
+
+
+def test_proof_handed_on_is_checked_one_at_a_time_off_the_event_loop_and_a_flood_is_dropped(monkeypatch):
+    """Checks run in a worker thread, one at a time (one that waited for a liar proven
+    meanwhile is not run); past 8 waiting, more proof is dropped unread, so a burst cannot
+    hold unbounded frames."""
+    means, shown, _ = reduce_and_audit(_vectors(3, 3 * 500, seed=12), "fp4", (1.0, 1.0, 1.0), 2.0, 256, _negate)
+    audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[4], banned=set(), _side_tasks=set()), rate=0.0,
+                    clip=2.0)
+    payload = msgpack.packb(means + shown, use_bin_type=True)
+    threads, real = [], audit_module.proves
+
+    def proves(*a, **kw):  # the real check, noting the thread it runs on
+        threads.append(threading.get_ident())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(audit_module, "proves", proves)
+
+    async def burst() -> list:
+        loop_thread = threading.get_ident()
+        tasks = [audits.evidence(f"sender{i}", Evidence(run_id=RUN, payload=payload)) for i in range(12)]
+        await asyncio.gather(*[t for t in tasks if t is not None])
+        assert len(threads) == 1 and loop_thread not in threads  # one check: the others waited, then knew
+        return tasks
+
+    tasks = asyncio.run(burst())
+    assert [t is not None for t in tasks] == [True] * 8 + [False] * 4
+    assert [key for key, _, _ in audits.offences] == [KEYS[0].public_key]  # convicted once
+    assert audits._checking_bytes == 0 and not audits._checking
