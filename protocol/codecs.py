@@ -76,6 +76,7 @@ _FP4_VALUES = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=t
 # the larger E2M1 gap beside it (the top code 6 takes 5..6, and up to 6 (1 + 2^-8) when the
 # bf16 scale rounded absmax / 6 down, which saturates).
 _FP4_HALF_GAPS = torch.tensor((0.25, 0.25, 0.25, 0.25, 0.5, 0.5, 1.0, 1.0) * 2, dtype=torch.float64)
+_FP4_MAGNITUDES = torch.tensor(E2M1_VALUES * 2, dtype=torch.float64)  # (16,) code -> |value|
 _TINY_ERROR = 1e-35  # per element: the error of scales in the subnormal range (|x| < 1e-36)
 _FP4_DEC_PAIRS = torch.stack([_FP4_VALUES[torch.arange(256) & 15], _FP4_VALUES[torch.arange(256) >> 4]], 1)
 
@@ -343,12 +344,18 @@ class Int8Codec(Codec):
         return scales, q
 
     def error_bound(self, data: Buffer, numel: int) -> float:
-        """Half a scale per element (round to nearest; absmax / scale <= 127 (1 + 2^-23))."""
+        """Half a scale per element (round to nearest; absmax / scale <= 127 (1 + 2^-23)), the
+        scale taken as its block's largest |q| / 127 of itself: an encoder's block holds +-127
+        (its absmax), so that is the scale unless the bytes were made to widen the bound (a
+        block of zeros with a huge scale would otherwise allow any mean: ``mean_consistent``)."""
         scales, q = self._parse(data, numel)
         counts = torch.full((scales.numel(),), float(INT8_BLOCK), dtype=torch.float64)
+        top = torch.empty(scales.numel(), dtype=torch.float64)
+        for e0, b0, rows, cols in _pieces(numel, INT8_BLOCK):
+            top[b0 : b0 + rows] = q[e0 : e0 + rows * cols].view(rows, cols).abs().amax(1)
         if numel % INT8_BLOCK:
             counts[-1] = numel % INT8_BLOCK
-        per = scales.double() * 0.5 + _TINY_ERROR
+        per = scales.double() * top.div_(127.0) * 0.5 + _TINY_ERROR
         return math.sqrt(float((counts * per * per).sum()))
 
     def decode(self, data: Buffer, numel: int) -> torch.Tensor:
@@ -440,13 +447,18 @@ class Fp4Codec(Codec):
             yield e0, b0, rows, cols, pairs.view(-1)[:cnt].view(rows, cols)
 
     def error_bound(self, data: Buffer, numel: int) -> float:
-        """Per element, half the E2M1 gap beside its code, times its block's scale."""
+        """Per element, half the E2M1 gap beside its code, times its block's scale, the scale
+        taken as its block's largest |code value| / 6 of itself: an encoder's block holds +-6
+        (its absmax), so that is the scale unless the bytes were made to widen the bound (a
+        block of zeros with a huge scale would otherwise allow any mean: ``mean_consistent``)."""
         scales, packed = self._parse(data, numel)
         total = 0.0
         for e0, b0, rows, cols in _pieces(numel, FP4_BLOCK):  # a chunk at a time: bounded scratch
             byts = packed[e0 // 2 : e0 // 2 + _ceil_div(rows * cols, 2)]
-            codes = torch.stack([byts & 15, byts >> 4], 1).view(-1)[: rows * cols].long()
-            per = _FP4_HALF_GAPS[codes].view(rows, cols).mul_(scales.double()[b0 : b0 + rows, None]).add_(_TINY_ERROR)
+            codes = torch.stack([byts & 15, byts >> 4], 1).view(-1)[: rows * cols].long().view(rows, cols)
+            top = _FP4_MAGNITUDES[codes].amax(1).div_(6.0)  # (rows,)
+            scale = scales.double()[b0 : b0 + rows].mul_(top)
+            per = _FP4_HALF_GAPS[codes].mul_(scale[:, None]).add_(_TINY_ERROR)
             total += float(per.square_().sum())
         return math.sqrt(total)
 

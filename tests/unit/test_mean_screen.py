@@ -7,6 +7,7 @@ members could not say; a negated or inflated mean is refused. And the codecs' er
 from __future__ import annotations
 
 import math
+import struct
 
 import pytest
 import torch
@@ -217,6 +218,44 @@ def test_with_two_witnesses_a_negated_mean_is_refused_in_groups_of_3_to_5(seed, 
         one += not witnessed_screen(told, payload, slices, weights, j, codec, 2.0, witnesses=1)
     if k < 5:
         assert one == 0
+
+
+def _padded(codec_name: str, payload: bytes, numel: int) -> bytes:
+    """``payload`` with its first block's codes all zero and its scale the largest the codec
+    takes: it decodes to zeros there, finite and no larger, as a liar could send it."""
+    b = bytearray(payload)
+    if codec_name == "fp4":  # ceil(n / 32) bf16 scales, then the packed codes
+        b[0:2] = torch.tensor([5.0e37], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+        at = 2 * -(-numel // 32)
+        b[at:at + 16] = bytes(16)
+    else:  # int8: ceil(n / 256) fp32 scales, then the values
+        b[0:4] = struct.pack("<f", 2.6e36)
+        at = 4 * -(-numel // 256)
+        b[at:at + 256] = bytes(256)
+    return bytes(b)
+
+
+@pytest.mark.parametrize("codec_name", ["fp4", "int8"])
+@pytest.mark.parametrize("k", [3, 4, 8])
+def test_a_block_of_zeros_with_a_huge_scale_does_not_widen_the_screen(codec_name, k):
+    """The codec's error bound (the screen's room for rounding) is taken from what a block's
+    codes say its scale was, not from the scale the bytes claim: a reducer that pads its
+    negated mean with one block of zeros scaled to 1e37 is refused as the plain lie is."""
+    codec = get_codec(codec_name)
+    n = 600 * k  # int8 slices of more than a block: the padded one is not the whole mean
+    for seed in range(3):
+        vecs, _ = group(seed, k, 0.73, 1.1)
+        vecs = [torch.cat([v] * (n // N + 1))[:n] for v in vecs]
+        weights = [1.0] * k
+        for j, (s, e) in enumerate(slice_bounds(n, k)):
+            _, mean, slices = reduce_part(vecs, weights, j, codec, 2.0)
+            honest = codec.encode(mean)
+            padded = _padded(codec_name, codec.encode(-mean), e - s)
+            told = codec.decode(padded, e - s)
+            assert torch.isfinite(told).all() and float(told[:32].abs().max()) == 0.0
+            assert codec.error_bound(padded, e - s) <= codec.error_bound(honest, e - s)
+            assert not witnessed_screen(told, padded, slices, weights, j, codec, 2.0)
+            assert witnessed_screen(codec.decode(honest, e - s), honest, slices, weights, j, codec, 2.0)
 
 
 def test_a_members_entries_are_one_members_word():
