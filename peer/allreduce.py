@@ -101,10 +101,11 @@ from hivemind.p2p import P2P
 
 from peer.allreduce_inbound import InboundMixin
 from peer.allreduce_round import Round
-from peer.allreduce_send import HEAD_ROOM, SendMixin, chunk_elements, encode_chunks
+from peer.allreduce_send import SendMixin, encode_chunks
 from peer.audit import Audits
 from peer.inbox import PendingFrames, StreamEnded, StreamGate
 from peer.ratelimit import RateLimiter
+from protocol.butterfly import HEAD_ROOM, chunk_elements
 from protocol.codecs import get_codec
 from protocol.envelope import seal_parts
 from protocol.errors import LocalProtocolError
@@ -281,7 +282,8 @@ class Averager(InboundMixin, SendMixin):
         if gid in self._active:
             raise LocalProtocolError(f"group {gid.hex()} is already averaging")
         excluded = frozenset(i for i, key in enumerate(group.members) if peer_id_from_public_key(key) in self.banned)
-        rnd = Round(group, me, vec, get_codec(group.codec), self.clip, excluded, self.banned)
+        rnd = Round(group, me, vec, get_codec(group.codec), self.clip, excluded, self.banned,
+                    chunk=chunk_elements(self.max_frame_bytes))
         rnd.stopping = stopping
         self._active[gid] = rnd
         if excluded:
@@ -310,7 +312,7 @@ class Averager(InboundMixin, SendMixin):
             if rnd.size(me):  # our own slice, as we will average it, and as our witnesses get it (after our
                 # pushes: a witness that has not started the round buffers both, and needs our push more)
                 s, e = rnd.bounds[me]
-                own = encode_chunks(rnd, me, vec[s:e], self.max_frame_bytes)
+                own = encode_chunks(rnd, me, vec[s:e])
                 rnd.own(own, self._frames(rnd, me, own, group.weights[me], None))
                 for w in rnd.witnesses[me]:
                     tasks.append(asyncio.create_task(self._deliver(rnd, w, rnd.own_frames, push_deadline, sent, False)))

@@ -112,11 +112,14 @@ class InboundMixin:
 
     def _blame(self, peer_id: str, gid: bytes | None, reason: str) -> None:
         """A frame from ``peer_id`` (authenticated by libp2p) was bad: drop it from the round
-        the frame claims, or from every round it is in if the frame names none we know."""
+        the frame claims, or from every round it is in if the frame names no group at all (one
+        that names a finished group is only logged: a late resend must not cost a live round)."""
         log.warning("rejected slice reason=%s peer=%s", reason, peer_id)
         if gid is not None and gid in self._active:
             rounds = [self._active[gid]]
-        elif gid is not None and gid not in self._finished:
+        elif gid is not None and gid in self._finished:
+            return
+        elif gid is not None:
             self._pending.add(gid, peer_id, reason)
             return
         else:

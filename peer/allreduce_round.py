@@ -48,10 +48,10 @@ import msgpack
 import torch
 
 from protocol.audit import contribution_digest, inputs_digest
-from protocol.butterfly import clip_scales, slice_bounds, slice_norm, witnessed, witnesses_of
+from protocol.butterfly import chunk_elements, clip_scales, slice_bounds, slice_norm, witnessed, witnesses_of
 from protocol.codecs import Codec
 from protocol.identity import peer_id_from_public_key
-from protocol.messages import digest
+from protocol.messages import MAX_FRAME_BYTES, digest
 
 from peer.round_agreement import LATE, AgreementMixin
 from peer.round_intake import MAX_OFFENCES, IntakeMixin
@@ -97,8 +97,12 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
     """One member's all-reduce of one group (see the module docstring)."""
 
     def __init__(self, group: Any, me: int, vector: torch.Tensor, codec: Codec, clip: float = 0.0,
-                 excluded: frozenset[int] = frozenset(), banned: Any = frozenset()):
+                 excluded: frozenset[int] = frozenset(), banned: Any = frozenset(),
+                 chunk: int = chunk_elements(MAX_FRAME_BYTES)):
         self.group, self.me, self.codec, self.clip = group, me, codec, clip
+        self.chunk = chunk
+        """Elements per chunk of a slice (``protocol.butterfly.chunk_elements`` of the run's
+        frame size): every slice's frames, ours and others', are on this grid."""
         self.banned = banned
         """Peer IDs banned for a proven lie, as the node holds them now (a ban may come during
         the round): their reports are not waited for."""

@@ -12,29 +12,18 @@ import torch
 
 from peer.allreduce_round import Round
 from peer.outbox import send_frames
+from protocol.butterfly import chunk_spans
 from protocol.envelope import seal_parts
 from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
 log = logging.getLogger("peer.allreduce")
 
-CHUNK_ALIGN = 256  # elements: a multiple of every codec's block (int8: 256, fp4: 32)
-HEAD_ROOM = 4096  # bytes of a frame that are not payload: envelope and message heads
 
-
-def chunk_elements(max_frame_bytes: int) -> int:
-    """Elements per message so that any codec's envelope fits in ``max_frame_bytes`` (4 bytes
-    per element is the largest codec), a multiple of ``CHUNK_ALIGN``."""
-    return (max_frame_bytes - HEAD_ROOM) // 4 // CHUNK_ALIGN * CHUNK_ALIGN
-
-
-def chunk_spans(start: int, end: int, step: int) -> list[tuple[int, int]]:
-    return [(a, min(a + step, end)) for a in range(start, end, step)]
-
-
-def encode_chunks(rnd: Round, part: int, values: torch.Tensor, max_frame_bytes: int) -> list[tuple[int, int, bytes]]:
-    """``values`` (the elements of slice ``part``) encoded in chunks: [(start, end, bytes)]."""
+def encode_chunks(rnd: Round, part: int, values: torch.Tensor) -> list[tuple[int, int, bytes]]:
+    """``values`` (the elements of slice ``part``) encoded in chunks on the round's grid
+    (``protocol.butterfly.chunk_elements``): [(start, end, bytes)]."""
     s, e = rnd.bounds[part]
-    return [(a, b, rnd.codec.encode(values[a - s:b - s])) for a, b in chunk_spans(s, e, chunk_elements(max_frame_bytes))]
+    return [(a, b, rnd.codec.encode(values[a - s:b - s])) for a, b in chunk_spans(s, e, rnd.chunk)]
 
 
 class SendMixin:
@@ -89,7 +78,7 @@ class SendMixin:
 
     def _encode(self, rnd: Round, part: int, values: torch.Tensor) -> list[tuple[int, int, bytes]]:
         """A push or our mean (``values``, the elements of slice ``part``), encoded in chunks."""
-        return encode_chunks(rnd, part, values, self.max_frame_bytes)
+        return encode_chunks(rnd, part, values)
 
     def _frames(self, rnd: Round, part: int, encoded: list[tuple[int, int, bytes]], weight: float,
                 contributors: tuple[int, ...] | None, inputs: bytes = b"",

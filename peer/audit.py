@@ -40,6 +40,7 @@ import msgpack
 from peer.bans import MAX_EVIDENCE_FRAMES
 from peer.distrust import Distrust
 from protocol.audit import NOT_COMMITTED, UNPROVEN, WRONG, check
+from protocol.butterfly import HEAD_ROOM, on_grid
 from protocol.envelope import Verified, seal_parts, verify
 from protocol.errors import RemoteProtocolError
 from protocol.evidence import proves
@@ -58,9 +59,9 @@ _ANSWERED_MEMORY = 1024  # (group, member) pairs answered: each member is answer
 _WAIT = 2.0  # x the round's deadline: how long an auditor waits for the inputs
 _MAX_CHECKED = 256  # pieces of evidence we check per sender (each may cost a recomputation)
 _SPREAD_MEMORY = 4096  # (member, liar) pairs we handed a proof to at a round's start
-_MAX_REFUSED = 16
+_MAX_REFUSED = 16  # and that prove nothing: past either, its evidence is dropped unread
 _MAX_CHECKING = 8  # proofs handed to us waiting to be checked (one at a time); past it, or
-_MAX_CHECKING_BYTES = 128 << 20  # past their bytes, dropped unread  # and that prove nothing: past either, its evidence is dropped unread
+_MAX_CHECKING_BYTES = 128 << 20  # past their bytes, dropped unread
 
 
 class _Open:
@@ -69,9 +70,11 @@ class _Open:
     def __init__(self, rnd: Round, part: int):
         self.reducer = rnd.peer_ids[part]
         self.contributors = len(rnd.contributors[part])
-        s, e = rnd.bounds[part]
+        self.bounds, self.chunk = rnd.bounds[part], rnd.chunk
+        s, e = self.bounds
         self.size = e - s
-        self.budget = self.contributors * (4 * self.size + 4096 * (1 + self.size // 4096))  # bytes we take
+        # bytes we take: each contributor's slice, on the round's grid of chunks, each in a frame
+        self.budget = self.contributors * (4 * self.size + HEAD_ROOM * -(-self.size // self.chunk))
         self.frames: list[bytes] = []
         self.covered: Counter[bytes] = Counter()  # signer -> elements
         self.seen: set[tuple[bytes, int]] = set()  # (signer, offset) taken
@@ -81,13 +84,15 @@ class _Open:
         """A frame of the answer: one per signer and offset (a frame sent again because its
         acknowledgement was late, or the reducer's own slice reaching us late as its witness,
         is the same frame: counted twice, it would make an honest answer look wrong)."""
-        where = (bytes(v.signer), v.message.offset)  # type: ignore[attr-defined]
-        if self.done.is_set() or len(data) > self.budget or where in self.seen:
+        msg = v.message
+        where = (bytes(v.signer), msg.offset)  # type: ignore[attr-defined]
+        if self.done.is_set() or len(data) > self.budget or where in self.seen \
+                or not on_grid(*self.bounds, self.chunk, msg.offset, msg.numel):  # type: ignore[attr-defined]
             return
         self.seen.add(where)
         self.budget -= len(data)
         self.frames.append(bytes(data))
-        self.covered[v.signer] += v.message.numel  # type: ignore[attr-defined]
+        self.covered[v.signer] += msg.numel  # type: ignore[attr-defined]
         if len(self.covered) >= self.contributors and all(c >= self.size for c in self.covered.values()):
             self.done.set()
 
@@ -99,6 +104,7 @@ class Audits:
         self.averager, self.rate, self.clip = averager, rate, clip
         self._open: dict[tuple[bytes, int], _Open] = {}
         self._answered: deque[tuple[bytes, str]] = deque(maxlen=_ANSWERED_MEMORY)
+        self._closed: deque[tuple[bytes, int, str]] = deque(maxlen=_ANSWERED_MEMORY)  # (group, part, reducer)
         self._random = random.SystemRandom()
         self.offences: deque[tuple[bytes, str, tuple[bytes, ...]]] = deque(maxlen=64)
         """Proven wrong means: (reducer's key, what, the frames that prove it); the node takes them."""
@@ -153,6 +159,7 @@ class Audits:
             log.info("audit got no full answer part=%d reducer=%s detail=%r", j, pending.reducer, e)
         finally:
             del self._open[key]
+            self._closed.append((bytes(g.group_id), j, pending.reducer))
         verdict, reducer, why = await asyncio.to_thread(check, mean_frames, pending.frames, g.run_id, self.clip)
         self.counts[verdict] += 1
         suspended, lied = 0, False
@@ -301,7 +308,9 @@ class Audits:
             return False
         pending = self._open.get((bytes(msg.group_id), msg.part))
         if pending is None or pending.reducer != peer_id:
-            return False
+            # the tail of an answer to an audit we closed (judged on what came by then), or a
+            # resend of one: taken, and nothing more
+            return (bytes(msg.group_id), msg.part, peer_id) in self._closed
         pending.take(v, data)
         return True
 

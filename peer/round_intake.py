@@ -11,6 +11,7 @@ import time
 
 from protocol.envelope import Verified
 from protocol.errors import RemoteProtocolError
+from protocol.butterfly import on_grid
 from protocol.evidence import equivocation, offence
 from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
@@ -214,6 +215,9 @@ class IntakeMixin:
                                       f"slice {part} [{s}, {e})")
         if covered + msg.numel > e - s:
             raise RemoteProtocolError(f"more than the {e - s} elements of slice {part}")
+        if not on_grid(s, e, self.chunk, msg.offset, msg.numel):
+            raise RemoteProtocolError(f"chunk [{msg.offset}, {msg.offset + msg.numel}) of slice {part} is not on "
+                                      f"the run's grid of {self.chunk} elements")
 
     def _accept_push(self, i: int, msg: PushSlice, payload_digest: bytes, data: bytes) -> None:
         if msg.part == i and i in self.witnessed:  # its own slice: we are one of its witnesses

@@ -27,6 +27,27 @@ from collections.abc import Callable, Sequence
 import torch
 
 
+CHUNK_ALIGN = 256  # elements: a multiple of every codec's block (int8: 256, fp4: 32)
+HEAD_ROOM = 4096  # bytes of a frame that are not payload: envelope and message heads
+
+
+def chunk_elements(max_frame_bytes: int) -> int:
+    """Elements per message so that any codec's envelope fits in ``max_frame_bytes`` (4 bytes
+    per element is the largest codec), a multiple of ``CHUNK_ALIGN``: a slice [s, e) is sent
+    as chunks [s + k C, min(s + (k + 1) C, e)), and a chunk off that grid is refused (a sender
+    of many tiny chunks would cost its receivers a quadratic time to check them)."""
+    return (max_frame_bytes - HEAD_ROOM) // 4 // CHUNK_ALIGN * CHUNK_ALIGN
+
+
+def chunk_spans(start: int, end: int, step: int) -> list[tuple[int, int]]:
+    return [(a, min(a + step, end)) for a in range(start, end, step)]
+
+
+def on_grid(start: int, end: int, step: int, offset: int, numel: int) -> bool:
+    """Whether [offset, offset + numel) is one of ``chunk_spans(start, end, step)``."""
+    return (offset - start) % step == 0 and start <= offset < end and numel == min(step, end - offset)
+
+
 def slice_bounds(numel: int, n: int) -> list[tuple[int, int]]:
     """[start, end) of each member's slice of a vector of ``numel`` elements."""
     if n < 1 or numel < 0:

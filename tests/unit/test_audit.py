@@ -55,7 +55,7 @@ def reduce_and_audit(vectors: list[torch.Tensor], codec: str, weights: tuple[flo
     its inputs to an auditor. ``lie`` changes the mean it signs. -> (mean frames, inputs, round)."""
     n, numel = len(vectors), vectors[0].numel()
     g = _group(n, numel, codec, weights)
-    rnd = Round(g, 0, vectors[0], get_codec(codec), clip)
+    rnd = Round(g, 0, vectors[0], get_codec(codec), clip, chunk=step)
     for i in range(1, n):
         for f in _push(g, i, 0, vectors[i], step):
             rnd.accept(peer_id_from_public_key(KEYS[i].public_key), verify(f), len(f), f)

@@ -23,12 +23,12 @@ NUMEL = 10 * N  # parts of 10
 BANNED = 2
 
 
-def member() -> Round:
-    """Member 0's round, with member 2 banned before it began."""
+def member(chunk: int = 10) -> Round:
+    """Member 0's round, with member 2 banned before it began (slices sent in chunks of ``chunk``)."""
     group = Group(run_id=RUN, fragment=0, round=1, group_id=GID, members=tuple(k.public_key for k in KEYS),
                   weights=(1.0,) * N, numel=NUMEL, codec="fp32", deadline_s=5.0)
     return Round(group, 0, torch.ones(NUMEL), get_codec("fp32"), excluded=frozenset({BANNED}),
-                 banned=frozenset({KEYS[BANNED].peer_id}))
+                 banned=frozenset({KEYS[BANNED].peer_id}), chunk=chunk)
 
 
 def push(rnd: Round, sender: int, value: float, numel: int = 10) -> None:
@@ -53,14 +53,14 @@ def test_a_banned_members_push_is_waited_for_like_anyones_and_left_out_of_the_me
 
 
 def test_a_banned_members_short_stream_drops_it_at_once_as_anyones_does():
-    rnd = member()
+    rnd = member(chunk=5)
     push(rnd, BANNED, 1.0, numel=5)
     rnd.stream_ended(KEYS[BANNED].peer_id, PushSlice, rnd.me)
     assert rnd.dropped[BANNED].startswith("short:")
 
 
 def test_a_banned_member_cannot_send_one_element_twice():
-    rnd = member()
+    rnd = member(chunk=5)
     push(rnd, BANNED, 1.0, numel=5)
     push(rnd, BANNED, 2.0, numel=5)  # offset 0 again: overlaps the chunk already counted
     assert rnd.dropped[BANNED].startswith("PushSlice:") and rnd.pushed[BANNED] == 5
