@@ -78,6 +78,13 @@ def snapshot(worker: Any, rounds: Sequence[int] | None = None, *, copy: bool = T
     return GlobalState(tensors=tensors, rounds=rounds, step=int(worker.step))
 
 
+def max_state_bytes(worker: Any) -> int:
+    """The most bytes a state that fits ``worker``'s model can take as a blob (header, every
+    fragment's global copy and outer momentum): a donor's index that declares more is refused
+    before a byte is allocated for it."""
+    return _aligned(4 + MAX_HEAD_BYTES) + 8 * sum(frag.numel for frag in worker.outer)
+
+
 def check_fits(worker: Any, state: GlobalState) -> None:
     """Raise StateSyncError unless ``state`` has exactly the tensors (names, fp32, sizes) and
     round counters of ``worker``'s fragments: a state from a peer is checked before anything

@@ -238,9 +238,11 @@ async def current_indexes(p2p: P2P, identity: Identity, run_id: bytes, donors: l
 
 async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[str], digest: bytes, *,
                       chunk_timeout_s: float, parallel: int = 4, progress: Callable[[int, int], None] | None = None,
-                      stats: FetchStats | None = None) -> GlobalState:
+                      stats: FetchStats | None = None, max_bytes: int | None = None) -> GlobalState:
     """Download and check the state with digest ``digest`` from ``donors`` (peer IDs that vouch
     for it); see the module docstring. ``stats``, if given, is filled in as the fetch goes.
+    ``max_bytes``: the largest state that can fit our model (``globalstate.max_state_bytes``);
+    an index declaring more is refused before anything is allocated for it.
     Raises StateSyncError when no donor can provide some part in time."""
     stats = stats if stats is not None else FetchStats()
     peers = list(dict.fromkeys(donors))
@@ -281,6 +283,10 @@ async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[
         if v.message.chunk_bytes > MAX_CHUNK_BYTES:
             pool.drop(donor, f"index has chunks of {v.message.chunk_bytes} bytes (over {MAX_CHUNK_BYTES})")
             continue
+        if max_bytes is not None and v.message.total_bytes > max_bytes:
+            pool.drop(donor, f"index declares {v.message.total_bytes} bytes, more than a state of this model "
+                             f"takes ({max_bytes})")
+            continue
         index = v.message
         stats.index_from = donor
         pool.served(donor)
@@ -288,7 +294,10 @@ async def fetch_state(p2p: P2P, identity: Identity, run_id: bytes, donors: list[
     log.info("state fetch started digest=%s bytes=%d chunks=%d donors=%d", want, total, count, len(peers))
 
     # 2. the chunks, from all donors at once
-    blob = bytearray(total)
+    try:
+        blob = bytearray(total)
+    except MemoryError:
+        raise StateSyncError(f"not enough memory for a state of {total} bytes (digest {want})") from None
     todo: asyncio.Queue[int] = asyncio.Queue()
     for i in range(count):
         todo.put_nowait(i)

@@ -10,8 +10,8 @@ import logging
 import time
 
 from peer.globalstate import (
-    StateSyncError, apply, check_distance, check_finite, choose_digest, pack_state, repair_vote, snapshot,
-    vouchers_needed,
+    StateSyncError, apply, check_distance, check_finite, choose_digest, max_state_bytes, pack_state, repair_vote,
+    snapshot, vouchers_needed,
 )
 from peer.network import NetworkError
 from peer.node.config import STATE_INDEX_ATTEMPTS
@@ -206,7 +206,8 @@ class CatchUpMixin:
                 self._progress = (done / total if total else 1.0, label)
 
             state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, serving, digest,
-                                              chunk_timeout_s=swarm.state_chunk_timeout_s, progress=progress),
+                                              chunk_timeout_s=swarm.state_chunk_timeout_s, progress=progress,
+                                              max_bytes=max_state_bytes(worker)),
                                   timeout=download_s(swarm) if until is None
                                   else min(download_s(swarm), until - time.monotonic()))
             check_finite(state)  # here, before anything changes; apply() checks it again

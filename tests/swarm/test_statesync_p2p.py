@@ -194,3 +194,22 @@ def test_more_parallel_tasks_than_a_single_donor_allows_still_fetch_everything(t
     assert_bit_identical(state)
     assert not stats.dropped
     assert list(stats.chunks) == [only.peer_id]
+
+
+def test_an_index_larger_than_our_model_can_take_is_refused_before_anything_is_allocated(tmp_path, donors):
+    """A donor's index says how many bytes to allocate; one that declares more than a state
+    of our model can take (``globalstate.max_state_bytes``) is dropped at the index."""
+    want = statesync_peers.expected_state()
+    real = sum(4 * t.numel() for t in want.tensors.values())
+    stats = FetchStats()
+
+    async def body(p2p, ident):
+        with pytest.raises(StateSyncError, match="none of the 3 donors served the index"):
+            await fetch_state(p2p, ident, RUN, [d.peer_id for d in donors], donors[0].digest, chunk_timeout_s=10,
+                              stats=stats, max_bytes=real // 2)
+        return await fetch_state(p2p, ident, RUN, [d.peer_id for d in donors], donors[0].digest, chunk_timeout_s=10,
+                                 max_bytes=real + (1 << 20))
+
+    assert_bit_identical(joiner(tmp_path, donors, body))
+    assert len(stats.dropped) == 3 and all("more than a state of this model takes" in why
+                                           for why in stats.dropped.values())

@@ -8,7 +8,7 @@ import torch
 from peer.statesync import (
     GlobalState, StateSyncError, apply, choose_digest, decode_state, encode_state, index_digest, snapshot,
 )
-from peer.globalstate import check_distance, repair_vote, vouchers_needed
+from peer.globalstate import check_distance, max_state_bytes, repair_vote, vouchers_needed
 from peer.worker import Worker
 from protocol.config import DataConfig, InnerConfig, ModelConfig, SyncConfig, TrainConfig
 
@@ -78,6 +78,15 @@ def test_encoding_is_deterministic_and_round_trips():
     # the counters are vouched for too
     assert index_digest(encode_state(dataclasses.replace(s1, step=9), RUN, 1000)[0]) != index_digest(i1)
     assert index_digest(encode_state(dataclasses.replace(s1, rounds=(3, 3)), RUN, 1000)[0]) != index_digest(i1)
+
+
+def test_a_state_of_the_model_never_takes_more_than_max_state_bytes():
+    """What a joiner allows a donor's index to declare (``max_state_bytes``) holds the largest
+    state of its model: every fragment's global copy and outer momentum."""
+    worker = trained_worker(0)
+    index, blob = encode_state(snapshot(worker, rounds=[3, 2]), RUN, 1000)
+    assert any(k.startswith("outer_momentum/") for k in snapshot(worker, rounds=[3, 2]).tensors)
+    assert index.total_bytes == len(blob) <= max_state_bytes(worker) < len(blob) + (1 << 20)
 
 
 def test_decode_refuses_a_malformed_blob():
