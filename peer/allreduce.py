@@ -433,10 +433,12 @@ class Averager(InboundMixin, SendMixin):
 
     async def _wait_means(self, rnd: Round, deadline: float) -> None:
         """Until we hold every reduced part, or the deadline; or until each part we lack was
-        reported held by another member ``ELSEWHERE_GRACE`` ago: its reducer sent it to the
-        others and not (yet) to us. A reducer that withholds its part from one member would
-        otherwise hold that member, and the agreement of the whole group, to the deadline; the
-        agreement forwards the part now (and the reducer's own frames are still taken)."""
+        reported held, alike, by two other members ``ELSEWHERE_GRACE`` ago: its reducer sent it
+        to the others and not (yet) to us (one member's report is not enough: a liar's would
+        make an honest reducer on its way count as late, which a false final then exploits). A
+        reducer that withholds its part from one member would otherwise hold that member, and
+        the agreement of the whole group, to the deadline; the agreement forwards the part now
+        (and the reducer's own frames are still taken)."""
         loop = asyncio.get_running_loop()
         grace = ELSEWHERE_GRACE * rnd.group.deadline_s
         while not rnd.means_done():

@@ -165,7 +165,10 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         self.landed: tuple[bytes, ...] = ()  # the parts we landed, once finished (our final report)
         self.told: set[int] = set()  # members we sent our final report
         self.report_norms: dict[int, tuple[float, ...]] = {}  # member -> its slices' norms, as it reported them
-        self.held_since: dict[int, float] = {}  # part -> when a member other than its reducer first reported it held
+        # part -> when two members other than its reducer had reported it held with one digest (one
+        # member's report alone could make an honest reducer on its way look late: conform)
+        self.held_since: dict[int, float] = {}
+        self.holders: dict[tuple[int, bytes], set[int]] = {}  # (part, digest) -> members that reported it
         # (part, forwarder) -> [(offset, numel, frame, payload digest, contributors, payload)]
         self.repairs: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
         self.repaired: set[int] = set()

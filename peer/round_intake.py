@@ -199,8 +199,11 @@ class IntakeMixin:
             self.report_dots[i] = tuple(msg.dots)
         self._take_vouches(i, msg.witness)
         for j, d in enumerate(self.reports[i]):
-            if d and j != i:
-                self.held_since.setdefault(j, time.monotonic())  # the event loop's clock
+            if d and j != i:  # held by two members (not its reducer) alike: it is out, not one's word
+                holders = self.holders.setdefault((j, d), set())
+                holders.add(i)
+                if len(holders) >= 2:
+                    self.held_since.setdefault(j, time.monotonic())  # the event loop's clock
         self.changed.set()
 
     def _check_slice(self, msg: PushSlice | SliceAveraged, part: int, covered: int) -> None:

@@ -188,7 +188,7 @@ def other_mean(av, frame: bytes, factor: float) -> list[bytes]:
 
 async def send_bad_slices(av, group, vec: torch.Tensor, me: int) -> None:
     """To member 0 a slice with a broken signature, to member 1 one of the wrong shape, to
-    member 2 one holding a NaN, to member 3 one 256 elements short (then the stream ends):
+    member 2 one holding a NaN, to member 3 one 256 elements short (off the grid of chunks):
     each is signed (or nearly) by us and otherwise well-formed."""
     from protocol.envelope import seal
     from protocol.identity import peer_id_from_public_key
@@ -378,8 +378,10 @@ def test_forged_misshapen_nan_and_short_slices_drop_their_sender(swarm):
     ref = partial_reference(vectors, weights, honest, "fp32")
     bounds = slice_bounds(NUMEL, 5)
     bad_id = _peer_id(peers[bad].public_key)
-    # the short slice is recognised when its stream ends, not at the deadline (reason=timeout)
-    reasons = {0: "VerificationError", 1: "shape", 2: "NaN", 3: "reason=short:"}
+    # the short slice is off the run's grid of chunks: refused at its frame, not at the deadline
+    # (reason=timeout); a stream that ends with a slice short of chunks on the grid drops its
+    # sender when it ends (tests/unit/test_banned_member.py)
+    reasons = {0: "VerificationError", 1: "shape", 2: "NaN", 3: "not on the run's grid"}
     results = []
     for i in honest:
         kind, avg, dropped, fallback, _, _, lines, info = peers[i].reply()

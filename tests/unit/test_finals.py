@@ -131,3 +131,47 @@ def test_a_final_is_kept_apart_from_the_report_and_once_per_member():
     assert rnd.apart() == [0]
     rnd.landed = first
     assert rnd.apart() == []
+
+
+
+def test_one_members_report_cannot_make_a_reducer_on_its_way_look_late():
+    """A part we lack counts as held elsewhere (we stop waiting for it after a grace, and its
+    reducer counts as late) only once two members other than its reducer reported it held
+    with one digest. A liar's early report of made-up digests alone would make an honest
+    reducer on its way late, and its final would then make us fall back on the part when it
+    comes, while members it reached in time land it."""
+    n, liar = 4, 3
+    keys = [Identity.from_seed(bytes([0x50 + i]) * 32) for i in range(n)]
+    group = Group(run_id=RUN, fragment=0, round=1, group_id=GID, members=tuple(k.public_key for k in keys),
+                  weights=(1.0,) * n, numel=10 * n, codec="fp32", deadline_s=5.0)
+
+    def told(rnd: Round, i: int, digests: tuple[bytes, ...], final: bool = False) -> None:
+        deliver(rnd, seal(PartsHeld(run_id=RUN, fragment=0, round=1, group_id=GID, digests=digests, final=final),
+                          keys[i]))
+
+    def mean(j: int) -> bytes:
+        payload = get_codec("fp32").encode(torch.full((10,), 1.0 + j))
+        return seal(SliceAveraged(run_id=RUN, fragment=0, round=1, group_id=GID, part=j, offset=10 * j, numel=10,
+                                  shape=(10,), dtype="float32", codec="fp32", weight=float(n),
+                                  contributors=tuple(range(n)), inputs=b"i" * 32, own=digest(payload),
+                                  payload=payload), keys[j])
+
+    rnd = Round(group, 0, torch.zeros(10 * n), get_codec("fp32"))
+    rnd.collecting_pushes = False
+    told(rnd, liar, (b"\x99" * 32,) * n)  # every part held, before any mean is out
+    for j in (1, 3):
+        deliver(rnd, mean(j))
+    assert rnd.held_elsewhere_at(0.5) == float("inf")  # part 2: we keep waiting, its reducer is not late
+    deliver(rnd, mean(2))
+    assert rnd.means_done() and not rnd.dropped and not rnd.came_late(2)
+    told(rnd, liar, (b"",) * n, final=True)  # "I landed none of them"
+    assert rnd.conform() == []
+
+    other = Round(group, 0, torch.zeros(10 * n), get_codec("fp32"))
+    told(other, liar, (b"", b"", b"\x99" * 32, b""))
+    told(other, 1, (b"", b"", b"\x22" * 32, b""))  # two members, two digests: neither is corroborated
+    assert 2 not in other.held_since
+    honest = Round(group, 0, torch.zeros(10 * n), get_codec("fp32"))
+    for i in (1, 2):  # part 3 held alike by two members: its reducer sent it to them, not (yet) to us
+        told(honest, i, (b"", b"", b"", b"\x33" * 32))
+    assert 3 in honest.held_since
