@@ -12,7 +12,8 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
 - ``withhold``: as a reducer, its mean to every contributor but one;
 - ``replay``: with every push, its push of the previous round to that peer again (signed for
   the old group);
-- ``short``: every push 256 elements short of its slice (validly signed, well-formed chunks);
+- ``short``: every push 256 elements short of its slice (validly signed, well-formed, its last
+  chunk off the grid of chunks: refused at once);
 - ``mute``: never answers an audit of its means (honest ones): what a peer killed right after
   a round looks like to its auditors;
 - ``disown``: as a reducer, sends its witnesses its own slice negated (validly signed) while

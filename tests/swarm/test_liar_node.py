@@ -74,10 +74,10 @@ COMBINATIONS = {
     "lie:push1000+mean1000+withhold": [(any, "clipped slice"), (any, "reduced part too large"),
                                        (all, "not grouping with peer")],
     # pushes of 1e30, each 256 elements short and sent with the previous round's, and another
-    # mean to one member than to the others: the short stream drops it at once (the old
-    # group's frames are dropped quietly), and the two signed means prove the equivocation to
-    # every member, who all fall back on that part and ban it
-    "lie:push1e30+short+replay+equivocate": [(any, "reason=short:"),
+    # mean to one member than to the others: the short chunk, off the grid, drops it at once
+    # (the old group's frames are dropped quietly), and the two signed means prove the
+    # equivocation to every member, who all fall back on that part and ban it
+    "lie:push1e30+short+replay+equivocate": [(any, "is not on the run's grid"),
                                              (all, "banned peer={liar} reason=SliceAveraged: two different means")],
 }
 
