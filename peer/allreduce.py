@@ -286,8 +286,6 @@ class Averager(InboundMixin, SendMixin):
                     chunk=chunk_elements(self.max_frame_bytes))
         rnd.stopping = stopping
         self._active[gid] = rnd
-        if excluded:
-            self.audits.spread(rnd)
         kept_waiting = self._pending.waited(gid, [p for i, p in enumerate(rnd.peer_ids) if i != me])
         for peer_id, item, nbytes, data in self._pending.pop(gid):  # in arrival order
             if isinstance(item, StreamEnded):
@@ -374,6 +372,7 @@ class Averager(InboundMixin, SendMixin):
                         "different ones", list(landing.disputed), gid.hex())
         offences, rnd.offences = tuple(rnd.offences.values()), {}  # the round is kept a while: not its evidence
         self.audits.hand_on(rnd, offences)
+        self.audits.spread(rnd)
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, landing.partial, tuple(sorted(rnd.repaired)),
                                 rnd.settled() and not landing.disputed and not rnd.apart(), tuple(rnd.clipped),

@@ -199,7 +199,7 @@ class Audits:
     def _send_proof(self, rnd: Round, proof: tuple[bytes, ...], peer_ids: list[str]) -> None:
         av, g = self.averager, rnd.group
         payload = msgpack.packb(list(proof), use_bin_type=True)
-        if len(payload) + 4096 > av.max_frame_bytes:
+        if len(payload) + HEAD_ROOM > av.max_frame_bytes:
             log.info("proof too large to hand on bytes=%d group=%s", len(payload), g.group_id.hex())
             return
         frame = [seal_parts(Evidence(run_id=g.run_id, payload=payload), av.identity)]
@@ -209,33 +209,60 @@ class Audits:
             task.add_done_callback(av._side_tasks.discard)
 
     def spread(self, rnd: Round) -> None:
-        """Members we banned are in this round's group (a leader that has not seen the proof
-        named them): hand our proof against each to the group's other members, once per
-        member and liar, so that a ban follows the liar into every group it joins beside a
-        member that holds the proof, not only the group it lied to."""
+        """Members we banned were in this round's group (a leader that had not seen the proof
+        named them): hand our proof against each to the group's other members, once per member
+        and liar, so that a ban follows the liar into every group it joins beside a member that
+        holds the proof, not only the group it lied to. Called once the round is over (the
+        round's own sends go first), and at most as many bytes as we sent in the round: a
+        leader that keeps naming fresh keys beside a liar we banned cannot make us send more."""
+        pending = []
         for i in sorted(rnd.excluded):
             key = bytes(rnd.group.members[i])
             to = [p for j, p in enumerate(rnd.peer_ids)
                   if j != rnd.me and j not in rnd.excluded and (p, key) not in self._spread]
             if to:
-                if len(self._spread) + len(to) > _SPREAD_MEMORY:
-                    self._spread.clear()  # at worst, a proof is sent again
-                self._spread.update((p, key) for p in to)
-                task = asyncio.create_task(self._spread_proof(rnd, key, to))
+                pending.append((key, to))
+        if pending:
+            task = asyncio.create_task(self._spread_proofs(rnd, pending, rnd.sent[0]))
+            self.averager._side_tasks.add(task)
+            task.add_done_callback(self.averager._side_tasks.discard)
+
+    async def _spread_proofs(self, rnd: Round, pending: list[tuple[bytes, list[str]]], budget: int) -> None:
+        g = rnd.group
+        for key, to in pending:
+            try:  # read from disk and sealed off the event loop: an audit's proof can be large
+                frame = await asyncio.to_thread(self._sealed_proof, g.run_id, key)
+            except Exception as e:  # noqa: BLE001  (a proof we cannot read: nothing to hand on)
+                log.info("could not read our proof against peer=%s detail=%r", peer_id_from_public_key(key), e)
+                continue
+            if frame is None:
+                continue  # banned for this session only (no evidence kept), or too large to send
+            size = sum(len(x) for x in frame)
+            to = to[:budget // size]
+            if not to:
+                log.info("proof against peer=%s not handed on this round: %d bytes, over what we sent",
+                         peer_id_from_public_key(key), size)
+                continue
+            budget -= size * len(to)
+            if len(self._spread) + len(to) > _SPREAD_MEMORY:
+                self._spread.clear()  # at worst, a proof is sent again
+            self._spread.update((p, key) for p in to)
+            log.info("handing on our proof against peer=%s to peers=%s group=%s", peer_id_from_public_key(key),
+                     to, g.group_id.hex())
+            for peer_id in to:
+                task = asyncio.create_task(self._send(peer_id, [frame], _WAIT * g.deadline_s))
                 self.averager._side_tasks.add(task)
                 task.add_done_callback(self.averager._side_tasks.discard)
 
-    async def _spread_proof(self, rnd: Round, key: bytes, peer_ids: list[str]) -> None:
-        try:
-            proof = await asyncio.to_thread(self.proof_of, key)  # read from disk
-        except Exception as e:  # noqa: BLE001  (a proof we cannot read: nothing to hand on)
-            log.info("could not read our proof against peer=%s detail=%r", peer_id_from_public_key(key), e)
-            return
+    def _sealed_proof(self, run_id: bytes, key: bytes) -> list[Any] | None:
+        """Our saved proof against ``key`` as an ``Evidence`` frame, or None."""
+        proof = self.proof_of(key)
         if not proof:
-            return  # banned for this session only (no evidence kept): nothing to show
-        log.info("handing on our proof against peer=%s to peers=%s group=%s", peer_id_from_public_key(key),
-                 peer_ids, rnd.group.group_id.hex())
-        self._send_proof(rnd, tuple(proof), peer_ids)
+            return None
+        payload = msgpack.packb(list(proof), use_bin_type=True)
+        if len(payload) + HEAD_ROOM > self.averager.max_frame_bytes:
+            return None
+        return seal_parts(Evidence(run_id=run_id, payload=payload), self.averager.identity)
 
     def hand_on(self, rnd: Round, offences) -> None:
         """Proven lies seen in a round (``AllReduceOutcome.offences``): hand each proof on to the
@@ -248,12 +275,12 @@ class Audits:
 
     def evidence(self, peer_id: str, msg: Evidence) -> asyncio.Task[None] | None:
         """Proof handed on by ``peer_id``: checked here (it vouches for nothing), at most
-        ``_MAX_CHECKED`` times per sender, one at a time off the event loop (an audit's proof is
-        a recomputation); past ``_MAX_CHECKING`` waiting (or their bytes), dropped unread.
-        -> the check's task, if one was started."""
+        ``_MAX_CHECKED`` times per sender (and ``_MAX_REFUSED`` unreadable or proving nothing),
+        one at a time off the event loop (an audit's proof is a recomputation); past
+        ``_MAX_CHECKING`` waiting (or their bytes), dropped unread. -> the check's task, if one
+        was started."""
         if self._refused[peer_id] >= _MAX_REFUSED or self._checked[peer_id] >= _MAX_CHECKED:
             return None
-        self._checked[peer_id] += 1
         try:
             frames = msgpack.unpackb(msg.payload, raw=False, max_array_len=MAX_EVIDENCE_FRAMES,
                                      max_bin_len=len(msg.payload))
@@ -274,6 +301,7 @@ class Audits:
             log.info("evidence dropped unread peer=%s: %d proofs wait to be checked already", peer_id,
                      len(self._checking))
             return None
+        self._checked[peer_id] += 1  # checks that run: a proof we hold already, or dropped unread, costs none
         self._checking_bytes += nbytes
         task = asyncio.create_task(self._check_evidence(peer_id, frames, nbytes, accused))
         self._checking.add(task)

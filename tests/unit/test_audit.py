@@ -215,3 +215,60 @@ def test_proof_handed_on_is_checked_one_at_a_time_off_the_event_loop_and_a_flood
     assert [t is not None for t in tasks] == [True] * 8 + [False] * 4
     assert [key for key, _, _ in audits.offences] == [KEYS[0].public_key]  # convicted once
     assert audits._checking_bytes == 0 and not audits._checking
+
+
+def test_a_proof_we_hold_costs_the_sender_no_check():
+    """Proof against a liar we convicted already returns at once and uses none of the
+    sender's checks (members that hold one proof hand it to each other, routinely)."""
+    means, shown, _ = reduce_and_audit(_vectors(3, 3 * 500, seed=13), "fp4", (1.0, 1.0, 1.0), 2.0, 256, _negate)
+    audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[4], banned=set(), _side_tasks=set()), rate=0.0,
+                    clip=2.0)
+    payload = msgpack.packb(means + shown, use_bin_type=True)
+
+    async def hand_on() -> None:
+        task = audits.evidence("a", Evidence(run_id=RUN, payload=payload))
+        await task
+        for _ in range(300):
+            assert audits.evidence("b", Evidence(run_id=RUN, payload=payload)) is None
+
+    asyncio.run(hand_on())
+    assert audits._checked == {"a": 1} and len(audits.offences) == 1
+
+
+def test_spread_hands_a_saved_proof_on_after_the_round_within_the_bytes_it_sent(monkeypatch):
+    """A banned member in our group: our proof goes to the others not told yet, at most as
+    many bytes as we sent in the round, once per member."""
+    n, banned = 6, 5
+    g = Group(run_id=RUN, fragment=1, round=3, group_id=b"s" * 16, members=tuple(k.public_key for k in KEYS[:4])
+              + tuple(Identity.from_seed(bytes([0x90 + i]) * 32).public_key for i in range(2)),
+              weights=(1.0,) * n, numel=60, codec="fp32", deadline_s=5.0)
+    rnd = Round(g, 0, torch.zeros(60), get_codec("fp32"), 2.0, excluded=frozenset({banned}))
+    nan = torch.full((10,), float("nan")).numpy().tobytes()
+    liar = Identity.from_seed(bytes([0x91]) * 32)
+    proof = (seal(PushSlice(run_id=RUN, fragment=1, round=2, group_id=b"e" * 16, part=0, offset=0, numel=10,
+                            shape=(10,), dtype="float32", codec="fp32", weight=1.0, stopping=False, payload=nan),
+                  liar),)
+    audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[0], banned=set(), _side_tasks=set(),
+                                    max_frame_bytes=1 << 20), rate=0.0, clip=2.0)
+    audits.proof_of = {liar.public_key: proof}.get
+    sent: list[str] = []
+
+    async def send(peer_id, frames, timeout):
+        sent.append(peer_id)
+
+    monkeypatch.setattr(audits, "_send", send)
+    size = sum(len(x) for x in audits._sealed_proof(RUN, liar.public_key))
+
+    async def rounds() -> None:
+        rnd.sent[0] = 2 * size + 1  # room for two of the four members
+        audits.spread(rnd)
+        await asyncio.gather(*audits.averager._side_tasks)
+        assert sorted(sent) == sorted(rnd.peer_ids[1:3])
+        audits.spread(rnd)  # the next round beside it: the two not told yet
+        await asyncio.gather(*audits.averager._side_tasks)
+        assert sorted(sent) == sorted(rnd.peer_ids[1:5])
+        audits.spread(rnd)  # everyone told: nothing more
+        await asyncio.gather(*audits.averager._side_tasks)
+        assert len(sent) == 4
+
+    asyncio.run(rounds())
