@@ -58,10 +58,18 @@ log = logging.getLogger("peer.allreduce")
 _ANSWERED_MEMORY = 1024  # (group, member) pairs answered: each member is answered once per group
 _WAIT = 2.0  # x the round's deadline: how long an auditor waits for the inputs
 _MAX_CHECKED = 256  # pieces of evidence we check per sender (each may cost a recomputation)
-_SPREAD_MEMORY = 4096  # (member, liar) pairs we handed a proof to at a round's start
+_SPREAD_MEMORY = 4096  # (member, liar) pairs we handed a proof to after a round (spread)
 _MAX_REFUSED = 16  # and that prove nothing: past either, its evidence is dropped unread
 _MAX_CHECKING = 8  # proofs handed to us waiting to be checked (one at a time); past it, or
 _MAX_CHECKING_BYTES = 128 << 20  # past their bytes, dropped unread
+
+
+def _side_task(averager: Any, coro: Any) -> asyncio.Task[None]:
+    """Run ``coro`` as one of the averager's side tasks (cancelled at its shutdown)."""
+    task = asyncio.create_task(coro)
+    averager._side_tasks.add(task)
+    task.add_done_callback(averager._side_tasks.discard)
+    return task
 
 
 class _Open:
@@ -117,7 +125,7 @@ class Audits:
         self._checking: set[asyncio.Task[None]] = set()  # checks of proof handed to us, under way or waiting
         self._checking_bytes = 0
         self._one_check = asyncio.Semaphore(1)
-        self._spread: set[tuple[str, bytes]] = set()  # (peer ID, liar's key): proofs we handed on at a round's start
+        self._spread: set[tuple[str, bytes]] = set()  # (peer ID, liar's key): proofs we handed on after a round
         self.proof_of: Callable[[bytes], tuple[bytes, ...] | None] = lambda key: None
         """The signed frames that prove a key lied, if we keep them (the node's ``peer.bans``);
         called off the event loop."""
@@ -137,9 +145,7 @@ class Audits:
                 continue
             if j not in suspect and (j in fallback or self.rate <= 0 or self._random.random() >= self.rate):
                 continue
-            task = asyncio.create_task(self._audit(rnd, j))
-            self.averager._side_tasks.add(task)
-            task.add_done_callback(self.averager._side_tasks.discard)
+            _side_task(self.averager, self._audit(rnd, j))
 
     async def _audit(self, rnd: Round, j: int) -> None:
         g, av = rnd.group, self.averager
@@ -194,19 +200,18 @@ class Audits:
     def _share(self, rnd: Round, j: int, proof: tuple[bytes, ...]) -> None:
         """Hand the proof on to the group's other members: each checks it and bans the liar too,
         without auditing it itself."""
-        self._send_proof(rnd, proof, [p for i, p in enumerate(rnd.peer_ids) if i not in (rnd.me, j)])
+        frame = self._evidence_frame(rnd.group.run_id, proof)
+        for i, peer_id in enumerate(rnd.peer_ids):
+            if frame is not None and i not in (rnd.me, j):
+                _side_task(self.averager, self._send(peer_id, [frame], _WAIT * rnd.group.deadline_s))
 
-    def _send_proof(self, rnd: Round, proof: tuple[bytes, ...], peer_ids: list[str]) -> None:
-        av, g = self.averager, rnd.group
+    def _evidence_frame(self, run_id: bytes, proof: tuple[bytes, ...]) -> list[Any] | None:
+        """``proof`` sealed as our ``Evidence`` frame, or None if it would not fit one."""
         payload = msgpack.packb(list(proof), use_bin_type=True)
-        if len(payload) + HEAD_ROOM > av.max_frame_bytes:
-            log.info("proof too large to hand on bytes=%d group=%s", len(payload), g.group_id.hex())
-            return
-        frame = [seal_parts(Evidence(run_id=g.run_id, payload=payload), av.identity)]
-        for peer_id in peer_ids:
-            task = asyncio.create_task(self._send(peer_id, frame, _WAIT * g.deadline_s))
-            av._side_tasks.add(task)
-            task.add_done_callback(av._side_tasks.discard)
+        if len(payload) + HEAD_ROOM > self.averager.max_frame_bytes:
+            log.info("proof too large to hand on bytes=%d", len(payload))
+            return None
+        return seal_parts(Evidence(run_id=run_id, payload=payload), self.averager.identity)
 
     def spread(self, rnd: Round) -> None:
         """Members we banned were in this round's group (a leader that had not seen the proof
@@ -223,9 +228,7 @@ class Audits:
             if to:
                 pending.append((key, to))
         if pending:
-            task = asyncio.create_task(self._spread_proofs(rnd, pending, rnd.sent[0]))
-            self.averager._side_tasks.add(task)
-            task.add_done_callback(self.averager._side_tasks.discard)
+            _side_task(self.averager, self._spread_proofs(rnd, pending, rnd.sent[0]))
 
     async def _spread_proofs(self, rnd: Round, pending: list[tuple[bytes, list[str]]], budget: int) -> None:
         g = rnd.group
@@ -250,19 +253,12 @@ class Audits:
             log.info("handing on our proof against peer=%s to peers=%s group=%s", peer_id_from_public_key(key),
                      to, g.group_id.hex())
             for peer_id in to:
-                task = asyncio.create_task(self._send(peer_id, [frame], _WAIT * g.deadline_s))
-                self.averager._side_tasks.add(task)
-                task.add_done_callback(self.averager._side_tasks.discard)
+                _side_task(self.averager, self._send(peer_id, [frame], _WAIT * g.deadline_s))
 
     def _sealed_proof(self, run_id: bytes, key: bytes) -> list[Any] | None:
         """Our saved proof against ``key`` as an ``Evidence`` frame, or None."""
         proof = self.proof_of(key)
-        if not proof:
-            return None
-        payload = msgpack.packb(list(proof), use_bin_type=True)
-        if len(payload) + HEAD_ROOM > self.averager.max_frame_bytes:
-            return None
-        return seal_parts(Evidence(run_id=run_id, payload=payload), self.averager.identity)
+        return self._evidence_frame(run_id, tuple(proof)) if proof else None
 
     def hand_on(self, rnd: Round, offences) -> None:
         """Proven lies seen in a round (``AllReduceOutcome.offences``): hand each proof on to the
@@ -303,11 +299,9 @@ class Audits:
             return None
         self._checked[peer_id] += 1  # checks that run: a proof we hold already, or dropped unread, costs none
         self._checking_bytes += nbytes
-        task = asyncio.create_task(self._check_evidence(peer_id, frames, nbytes, accused))
+        task = _side_task(self.averager, self._check_evidence(peer_id, frames, nbytes, accused))
         self._checking.add(task)
         task.add_done_callback(self._checking.discard)
-        self.averager._side_tasks.add(task)  # cancelled at shutdown
-        task.add_done_callback(self.averager._side_tasks.discard)
         return task
 
     async def _check_evidence(self, peer_id: str, frames: list[bytes], nbytes: int, accused: bytes) -> None:
@@ -355,9 +349,7 @@ class Audits:
             return
         self._answered.append((gid, peer_id))
         frames = inputs_frames(rnd)
-        task = asyncio.create_task(self._send(peer_id, frames, _WAIT * rnd.group.deadline_s))
-        av._side_tasks.add(task)
-        task.add_done_callback(av._side_tasks.discard)
+        _side_task(av, self._send(peer_id, frames, _WAIT * rnd.group.deadline_s))
 
     async def _send(self, peer_id: str, frames: list[list[Any]], timeout: float) -> None:
         try:
