@@ -109,6 +109,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
         self._pipeline: SyncPipeline | None = None  # the fragment syncs in flight (run() makes it)
         # what the dashboard sees on subscribing
         self._peers: dict[bytes, Heartbeat] = {}
+        self._partners: dict[bytes, float] = {}  # key -> when (monotonic) it last averaged with us
         self._presence_level = 0  # of our shards of the run's presence (peer.shards), as last logged
         self._peers_future: Any = None
         self._reconnecting: Any = None

@@ -74,8 +74,11 @@ class SettleMixin:
         downloading from us. At the latest (``settle_limits``): no download starts after
         2.5 all-reduce deadlines (the longest an honest partner's last round may take) and two
         heartbeat intervals, and neither ours nor one from us holds us past that plus one
-        download. A failed read of the peers concludes nothing; a peer missing from one read is
-        kept until its heartbeat would have expired."""
+        download. A failed read of the peers concludes nothing, nor does one that does not show
+        our own final heartbeat (a DHT lookup under load may come back empty instead of failing);
+        a peer missing from one read is kept until its heartbeat would have expired, and a peer
+        that averaged with us lately counts as on its way until a read shows otherwise or a
+        heartbeat's life has passed since (it may be in our last round still, unread so far)."""
         self.state = "finished"
         self._harvest_published(wait_s=swarm.state_chunk_timeout_s)
         mine = tuple(self.stats.rounds)
@@ -86,6 +89,9 @@ class SettleMixin:
         deadline, limit = settle_limits(swarm, began)
         me = self.identity.public_key
         view: dict[bytes, tuple[Any, float]] = {k: (hb, began) for k, hb in self._peers.items() if k != me}
+        for k, at in self._partners.items():  # averaged with us lately: on its way until it shows otherwise
+            if k not in view and k != me:
+                view[k] = (None, at)
         heard: set[bytes] = set()  # peers whose heartbeat changed since we began
         taken, tries = 0, 0  # holders of the copy we last took (none yet), and tries at the target
         target: tuple[bytes, int] | None = None  # the copy we try to take, and its holders' count
@@ -104,15 +110,19 @@ class SettleMixin:
             for k, hb in (read or {}).items():
                 if k == me:
                     continue
-                if k in view and hb.sent_at != view[k][0].sent_at:
+                if k in view and (view[k][0] is None or hb.sent_at != view[k][0].sent_at):
                     heard.add(k)
                 view[k] = (hb, now)
             for k in [k for k, (_, seen) in view.items() if now - seen > swarm.heartbeat_ttl_s]:
                 del view[k]  # expired: gone
-            peers = {k: hb for k, (hb, _) in view.items()}
+            peers = {k: hb for k, (hb, _) in view.items() if hb is not None}
             done = {k: hb.state_digest for k, hb in peers.items()
                     if hb.state == "finished" and tuple(hb.rounds) == mine and hb.state_digest and k not in refused}
-            on_way = [k for k, hb in peers.items() if self._on_way_to(mine, hb, heard=k in heard)]
+            on_way = [k for k, (hb, _) in view.items() if hb is None or self._on_way_to(mine, hb, heard=k in heard)]
+            # a read that does not show our own final heartbeat (a DHT lookup under load can come
+            # back empty rather than fail) is no view of the others either: it concludes nothing
+            ours = (read or {}).get(me)
+            seen_us = ours is not None and ours.state == "finished" and ours.state_digest == self.state_digest
             best, holders, take = final_vote(done, me, self.state_digest, taken)
             if target != (best, len(holders)):
                 target, tries = (best, len(holders)), 0
@@ -127,7 +137,7 @@ class SettleMixin:
                 if tries >= 2:  # they claim a copy they do not serve (a liar's, or gone): vote without them
                     log.warning("%d peer(s) did not serve the final copy they claim: leaving them out", len(holders))
                     refused.update(holders)
-            elif (read is not None and not on_way and not self.state_server.serving and best == self.state_digest
+            elif (seen_us and not on_way and not self.state_server.serving and best == self.state_digest
                   and all(d == best for d in done.values())):
                 log.info("final copy agreed with %d finished peer(s) at rounds %s", len(done), list(mine))
                 return

@@ -235,7 +235,7 @@ class SyncMixin:
         for part in outcome.fallback_parts:
             start, end = bounds[part]
             outcome.average[start:end] = 0.0
-        return outcome, len(group.members), bytes(group.group_id)
+        return outcome, len(group.members), bytes(group.group_id), tuple(group.members)
 
     def _judge(self, offences, refused=()) -> None:
         """Proven lies (banned, evidence saved; here, on the training thread, which writes it to
@@ -298,6 +298,11 @@ class SyncMixin:
                 log.info("our group waited %.1f s for our part: slower than the swarm, following its rounds",
                          outcome.kept_waiting_s)
             size = result[1]
+            now = time.monotonic()  # the members that averaged with us: the run's end waits for them (peer.node.settle)
+            self._partners = {k: t for k, t in self._partners.items() if now - t <= swarm.heartbeat_ttl_s}
+            for i, key in enumerate(result[3]):
+                if i not in outcome.dropped and key != self.identity.public_key:
+                    self._partners[key] = now
             self._remember(FragmentSynced(
                 at=time.time(), fragment=fragment, round=round_, group_size=size,
                 contributors=max(1, size - len(outcome.dropped)), weight=float(weight),
