@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -169,6 +170,8 @@ def _run_node(args, replicas=None) -> int:
     finally:
         node.close()
         if replicas is not None:
+            node.worker = node.sampler = None  # the DDP/FSDP model goes before its process group
+            gc.collect()
             replicas.stop()
     return 0
 

@@ -94,6 +94,18 @@ def _receive() -> tuple[int, tuple]:
     return box[0]
 
 
+def _leave_group() -> None:
+    """Destroy the process groups now, with nothing holding them (the DDP worker dropped
+    first, our handle on the control group here): a gloo group left for the interpreter's
+    exit to destroy can abort the process there ("terminate called without an active
+    exception", seen once under load, after a clean run)."""
+    global _CONTROL
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    _CONTROL = None
+    gc.collect()
+
+
 def _die_with_parent() -> None:
     """Linux: end when torchrun ends (killed, say), rather than wait for commands forever."""
     try:
@@ -260,9 +272,10 @@ class Replicas:
         _send(RELEASE)
 
     def stop(self) -> None:
+        """Tell the replicas to go, then leave the group (the node dropped its worker first)."""
         with contextlib.suppress(Exception):  # the group may be broken already (a replica died)
             _send(STOP)
-            dist.destroy_process_group()
+        _leave_group()
 
 
 def worker_class(sharded: bool) -> type[GroupWorker]:
@@ -305,7 +318,9 @@ def follow(device_name: str) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         elif op == STOP:
-            dist.destroy_process_group()
+            worker = None
+            gc.collect()
+            _leave_group()
             return 0
         else:
             assert worker is not None, "a command before BUILD"
