@@ -110,7 +110,7 @@ class SettleMixin:
             for k, hb in (read or {}).items():
                 if k == me:
                     continue
-                if k in view and (view[k][0] is None or hb.sent_at != view[k][0].sent_at):
+                if k in view and view[k][0] is not None and hb.sent_at != view[k][0].sent_at:
                     heard.add(k)
                 view[k] = (hb, now)
             for k in [k for k, (_, seen) in view.items() if now - seen > swarm.heartbeat_ttl_s]:
