@@ -125,7 +125,8 @@ class Audits:
         self._checking: set[asyncio.Task[None]] = set()  # checks of proof handed to us, under way or waiting
         self._checking_bytes = 0
         self._one_check = asyncio.Semaphore(1)
-        self._spread: set[tuple[str, bytes]] = set()  # (peer ID, liar's key): proofs we handed on after a round
+        self._spread: set[tuple[str, bytes]] = set()  # (peer ID, liar's key): proofs we handed on (spread, gossip)
+        self._gossiping = False
         self.proof_of: Callable[[bytes], tuple[bytes, ...] | None] = lambda key: None
         """The signed frames that prove a key lied, if we keep them (the node's ``peer.bans``);
         called off the event loop."""
@@ -233,13 +234,9 @@ class Audits:
     async def _spread_proofs(self, rnd: Round, pending: list[tuple[bytes, list[str]]], budget: int) -> None:
         g = rnd.group
         for key, to in pending:
-            try:  # read from disk and sealed off the event loop: an audit's proof can be large
-                frame = await asyncio.to_thread(self._sealed_proof, g.run_id, key)
-            except Exception as e:  # noqa: BLE001  (a proof we cannot read: nothing to hand on)
-                log.info("could not read our proof against peer=%s detail=%r", peer_id_from_public_key(key), e)
-                continue
+            frame = await self._read_proof(key)
             if frame is None:
-                continue  # banned for this session only (no evidence kept), or too large to send
+                continue
             size = sum(len(x) for x in frame)
             to = to[:budget // size]
             if not to:
@@ -254,6 +251,50 @@ class Audits:
                      to, g.group_id.hex())
             for peer_id in to:
                 _side_task(self.averager, self._send(peer_id, [frame], _WAIT * g.deadline_s))
+
+    async def gossip(self, lacking: list[tuple[str, bytes]], fanout: int, timeout: float) -> int:
+        """Peers whose heartbeats do not list a ban we hold proof for (``lacking``: (peer ID,
+        liar's key), from the node's view of the run): hand the proof to at most ``fanout`` of
+        them that we have not handed it to, drawn at random, one after the other. So a ban
+        reaches the whole run within a few heartbeat intervals (each peer that checks the proof
+        hands it on in turn), not only the groups the liar joins beside a holder. The node calls
+        this once per heartbeat interval, so we send at most ``fanout`` proofs per interval
+        however many keys the run has (keys that never list a ban get each proof once).
+        -> how many proofs were sent."""
+        if self._gossiping:  # the last interval's sends are still under way
+            return 0
+        fresh = sorted({(p, bytes(k)) for p, k in lacking} - self._spread)
+        fresh = [(p, k) for p, k in fresh if p not in self.averager.banned]
+        picked = self._random.sample(fresh, min(fanout, len(fresh)))
+        if len(self._spread) + len(picked) > _SPREAD_MEMORY:
+            self._spread.clear()  # at worst, a proof is sent again
+        self._spread.update(picked)
+        self._gossiping, sent = True, 0
+        try:
+            for peer_id, key in picked:
+                sent += await self._hand_over(peer_id, key, timeout)
+        finally:
+            self._gossiping = False
+        return sent
+
+    async def _hand_over(self, peer_id: str, key: bytes, timeout: float) -> bool:
+        frame = await self._read_proof(key)
+        if frame is None:
+            return False
+        log.info("handing our proof against peer=%s to peer=%s (its heartbeat does not list the ban)",
+                 peer_id_from_public_key(key), peer_id)
+        await self._send(peer_id, [frame], timeout)
+        return True
+
+    async def _read_proof(self, key: bytes) -> list[Any] | None:
+        """Our saved proof against ``key`` as an ``Evidence`` frame, read from disk and sealed
+        off the event loop (an audit's proof can be large); None if we keep none (banned for
+        this session only), it would not fit a frame, or it cannot be read."""
+        try:
+            return await asyncio.to_thread(self._sealed_proof, self.averager.run_id, key)
+        except Exception as e:  # noqa: BLE001  (a proof we cannot read: nothing to hand on)
+            log.info("could not read our proof against peer=%s detail=%r", peer_id_from_public_key(key), e)
+            return None
 
     def _sealed_proof(self, run_id: bytes, key: bytes) -> list[Any] | None:
         """Our saved proof against ``key`` as an ``Evidence`` frame, or None."""

@@ -50,6 +50,9 @@ DType = Annotated[str, Str(choices=DTYPES)]
 PeerState = Annotated[str, Str(choices=PEER_STATES)]
 ShortText = Annotated[str, Str(max_len=64)]
 Bulk = Annotated[bytes, Payload()]
+MAX_HEARTBEAT_BANS = 8
+"""Bans a heartbeat lists (its sender's latest): peers holding proof against one a heartbeat
+does not list hand it over (``peer.audit.Audits.gossip``)."""
 
 # Bytes per element of the codecs whose size is exact; the quantized ones carry block scales
 # whose layout is protocol.codecs' business, so only bounds are checked for them.
@@ -99,6 +102,9 @@ class Heartbeat(Message):
     """Client name and version, e.g. ``swarmstream/0.1.0``."""
     device: ShortText
     """What trains, for the peer table, e.g. ``cuda NVIDIA H100``, ``cpu``."""
+    banned: Annotated[tuple[bytes, ...], Seq(Bytes((KEY_BYTES,)), max_len=MAX_HEARTBEAT_BANS)] = ()
+    """Keys this peer banned for a proven lie, its latest first. A hint of who still lacks a
+    proof, never a reason to ban: only the proof itself bans."""
 
 
 @message(Tag.RUN_ADVERTISED)

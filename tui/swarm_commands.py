@@ -32,6 +32,9 @@ def _progress(prefix: str, ev: dict) -> None:
         how = "alone (no group formed)" if ev["alone"] else f"dropped {ev['dropped']}" if ev["dropped"] else "ok"
         print(f"{prefix}step {ev['step']:>5}  fragment {ev['fragment']} round {ev['round']:>3}  "
               f"train_loss {ev['train_loss']:.4f}  {how}", file=sys.stderr, flush=True)
+    elif ev.get("event") == "banned":
+        print(f"{prefix}banned peer {ev['peer'][:16]}... for a proven lie: {ev['reason']}", file=sys.stderr,
+              flush=True)
     elif ev.get("event") == "listening":
         print(f"{prefix}peer {ev['peer'][:16]}... listening on {', '.join(ev['maddrs'][:1])}", file=sys.stderr,
               flush=True)

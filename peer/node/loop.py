@@ -375,6 +375,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             self._settle_final(swarm)  # the run ends here: end on the copy the other finishers hold
             self.stats.settle_s = time.perf_counter() - t_start - wall
         worker = self.worker
+        self._take_verdicts()  # proofs that came after our last landing are saved too
         self._save()
         self.ledger.save()
         return self._summary(worker, wall, self._evaluate(worker))

@@ -15,12 +15,13 @@ from protocol.messages_control import (
     PeerJoined,
     PeerLeft,
 )
-from protocol.messages_swarm import Heartbeat, RunAdvertised
+from protocol.messages_swarm import MAX_HEARTBEAT_BANS, Heartbeat, RunAdvertised
 
 log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
 
 MIN_PEERS_POLL_S = 0.5  # between DHT reads while waiting for --min-peers
 LAST_PEER_POLL_S = 0.1  # the same once only one peer is missing
+BAN_FANOUT = 2  # proofs we hand over per heartbeat interval to peers whose heartbeats lack the ban
 
 
 class PeersMixin:
@@ -38,6 +39,8 @@ class PeersMixin:
                 live = None
             if live is not None:
                 self._update_peers(live)
+                self._take_verdicts()  # a proof handed to us between rounds: banned before the next
+                self._hand_over_bans(swarm)
             self._peers_future = None
         if self._peers_future is None:
             self._peers_future = self.net.submit(self.presence.peers(self.run_id, swarm.heartbeat_ttl_s))
@@ -75,6 +78,24 @@ class PeersMixin:
         self._relay_routes = {peer_id_from_public_key(k): [m for m in hb.maddrs if "/p2p-circuit" in m and me not in m]
                               for k, hb in live.items() if not hb.reachable}
         self._peers = live
+
+    def _ban_list(self) -> tuple[bytes, ...]:
+        """The keys we banned for a proven lie, our latest first, as our heartbeat lists them."""
+        bans = self.bans.items() if self.bans is not None else []
+        return tuple(public_key_from_peer_id(b.peer_id) for b in reversed(bans))[:MAX_HEARTBEAT_BANS]
+
+    def _hand_over_bans(self, swarm) -> None:
+        """Live peers whose heartbeats do not list a ban we hold proof for get the proof, a
+        few per heartbeat interval (``Audits.gossip``), so a ban reaches the whole run rather
+        than only the groups the liar joins beside one of us."""
+        ours = self._ban_list()
+        audits = getattr(self.averager, "audits", None)
+        if not ours or audits is None:
+            return
+        lacking = [(peer_id_from_public_key(k), key) for k, hb in self._peers.items()
+                   if hb.state != "leaving" for key in ours if key != k and key not in hb.banned]
+        if lacking:
+            self.net.submit(audits.gossip(lacking, BAN_FANOUT, swarm.allreduce_timeout_s))
 
     def _expected_joiners(self, fragment: int, round_: int) -> set[bytes]:
         """The other peers we expect to join ``round_`` of ``fragment`` (``Matchmaker.expected``):
@@ -148,7 +169,7 @@ class PeersMixin:
                        tokens=self.ledger.credit.tokens_trained, tokens_per_s=tput, rounds=rounds,
                        state_digest=self.state_digest, reachable=self.reachability() == "direct",
                        maddrs=tuple(self._maddrs)[:8], client=f"swarmstream/{__version__}",
-                       device=self._device_name() or "none")
+                       device=self._device_name() or "none", banned=self._ban_list())
         self.net.submit(self.presence.announce(hb, swarm.heartbeat_ttl_s))
         ad = RunAdvertised(run_id=self.run_id, sent_at=now, name=self.signed.manifest.name,
                            num_params=self.signed.manifest.train.model.num_params(), peers=self._run_size(),

@@ -243,13 +243,22 @@ class SyncMixin:
         but no honest reducer sends one): from our next round on, we group with none of them.
         (A reducer that did not answer an audit was suspended by ``peer.audit`` already.)"""
         for key, why, evidence in offences:
-            if self.bans is not None:
-                self.bans.add(key, why, evidence)
+            if self.bans is not None and self.bans.add(key, why, evidence):
+                self.on_event({"event": "banned", "peer": peer_id_from_public_key(key), "reason": why})
             self.matchmaker.distrusted.ban(key)
         for key in refused:
             if key != self.identity.public_key and self.matchmaker.distrusted.ban(key):
                 log.warning("not grouping with peer=%s any more: its reduced part was too large for its "
                             "contributions", peer_id_from_public_key(key))
+
+    def _take_verdicts(self) -> None:
+        """The audits' verdicts on earlier rounds, and proofs other peers handed us
+        (``peer.audit``): bans saved with their evidence, suspensions told. At every landing,
+        every heartbeat and the run's end (a proof can come between rounds)."""
+        if (audits := getattr(self.averager, "audits", None)) is not None:
+            self._judge(_drain(audits.offences))
+            for key, syncs in _drain(audits.suspended):  # already out of our groups (peer.distrust)
+                self.on_event({"event": "suspended", "peer": peer_id_from_public_key(key), "syncs": syncs})
 
     def _land(self, sync: InFlight, swarm) -> None:
         worker = self.worker
@@ -308,10 +317,7 @@ class SyncMixin:
                 contributors=max(1, size - len(outcome.dropped)), weight=float(weight),
                 duration_s=outcome.elapsed_s, waited_s=waited, bytes_sent=outcome.bytes_sent,
                 bytes_received=outcome.bytes_received))
-        if (audits := getattr(self.averager, "audits", None)) is not None:  # of earlier rounds (peer.audit)
-            self._judge(_drain(audits.offences))
-            for key, syncs in _drain(audits.suspended):  # already out of our groups (peer.distrust)
-                self.on_event({"event": "suspended", "peer": peer_id_from_public_key(key), "syncs": syncs})
+        self._take_verdicts()
         self.stats.traffic.append((time.monotonic(), self.stats.bytes_sent, self.stats.bytes_received))
         # a fragment's weight counts every token since its last sync, and each of the P fragments
         # carries those same tokens for its 1/P of the model: credit 1/P of them per fragment

@@ -272,3 +272,42 @@ def test_spread_hands_a_saved_proof_on_after_the_round_within_the_bytes_it_sent(
         assert len(sent) == 4
 
     asyncio.run(rounds())
+
+
+def test_gossip_hands_a_proof_to_peers_whose_heartbeats_lack_the_ban_a_few_per_interval(monkeypatch):
+    """Peers whose heartbeats do not list a ban we hold proof for get the proof: at most
+    ``fanout`` per call (one call per heartbeat interval), each (peer, liar) once, none to a
+    peer we banned; a call while the last one's sends are under way sends nothing."""
+    liar = Identity.from_seed(bytes([0x91]) * 32)
+    nan = torch.full((10,), float("nan")).numpy().tobytes()
+    proof = (seal(PushSlice(run_id=RUN, fragment=1, round=2, group_id=b"e" * 16, part=0, offset=0, numel=10,
+                            shape=(10,), dtype="float32", codec="fp32", weight=1.0, stopping=False, payload=nan),
+                  liar),)
+    peers = [f"p{i}" for i in range(7)]
+    audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[0], banned={"p6"}, _side_tasks=set(),
+                                    max_frame_bytes=1 << 20), rate=0.0, clip=2.0)
+    audits.proof_of = {liar.public_key: proof}.get
+    sent: list[str] = []
+    gate = asyncio.Event()
+
+    async def send(peer_id, frames, timeout):
+        (frame,) = frames  # a proof that convicts the liar
+        payload = verify(b"".join(frame), run_id=RUN).message.payload
+        assert proves(msgpack.unpackb(payload), RUN, 2.0)[0] == liar.public_key
+        sent.append(peer_id)
+        await gate.wait()
+
+    monkeypatch.setattr(audits, "_send", send)
+    lacking = [(p, liar.public_key) for p in peers]
+
+    async def intervals() -> None:
+        first = asyncio.ensure_future(audits.gossip(lacking, 2, 1.0))
+        await asyncio.sleep(0)
+        assert await audits.gossip(lacking, 2, 1.0) == 0  # the first is still sending
+        gate.set()
+        assert await first == 2
+        while await audits.gossip(lacking, 2, 1.0):
+            pass
+
+    asyncio.run(intervals())
+    assert sorted(sent) == peers[:6] and len(sent) == 6  # everyone once, not the banned one

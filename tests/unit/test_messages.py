@@ -374,6 +374,17 @@ def test_a_status_from_an_older_node_without_the_newer_fields_decodes_with_their
     assert decode(older, expect=StatusReported) == dataclasses.replace(new, join_address="", total_steps=0)
 
 
+def test_a_heartbeat_lists_its_bans_and_one_from_before_the_list_decodes_with_none():
+    keys = tuple(bytes([i]) * 32 for i in range(8))
+    new = dataclasses.replace(heartbeat(), banned=keys)
+    assert decode(encode(new), expect=Heartbeat) == new
+    array = msgpack.unpackb(encode(new), use_list=True)
+    assert decode(msgpack.packb(array[:-1], use_bin_type=True), expect=Heartbeat) == heartbeat()  # an older peer's
+    for bad in ([b"k" * 31], [b"k" * 32] * 9, [1]):  # a short key, more than a heartbeat lists, not bytes
+        with pytest.raises(DecodeError, match="banned"):
+            decode(msgpack.packb(array[:-1] + [bad], use_bin_type=True))
+
+
 def test_the_defaulted_tail_is_still_strict():
     array = msgpack.unpackb(encode(status_reported()), use_list=True)
     fields = dataclasses.fields(StatusReported)
