@@ -58,6 +58,7 @@ log = logging.getLogger("peer.allreduce")
 _ANSWERED_MEMORY = 1024  # (group, member) pairs answered: each member is answered once per group
 _WAIT = 2.0  # x the round's deadline: how long an auditor waits for the inputs
 _MAX_CHECKED = 256  # pieces of evidence we check per sender (each may cost a recomputation)
+_GOSSIP_PER_LIAR = 16  # peers we hand one proof to by gossip (each that checks it hands it on in turn)
 _SPREAD_MEMORY = 4096  # (member, liar) pairs we handed a proof to after a round (spread)
 _MAX_REFUSED = 16  # and that prove nothing: past either, its evidence is dropped unread
 _MAX_CHECKING = 8  # proofs handed to us waiting to be checked (one at a time); past it, or
@@ -127,6 +128,7 @@ class Audits:
         self._one_check = asyncio.Semaphore(1)
         self._spread: set[tuple[str, bytes]] = set()  # (peer ID, liar's key): proofs we handed on (spread, gossip)
         self._gossiping = False
+        self._gossiped: Counter[bytes] = Counter()  # liar's key -> peers we handed its proof to by gossip
         self.proof_of: Callable[[bytes], tuple[bytes, ...] | None] = lambda key: None
         """The signed frames that prove a key lied, if we keep them (the node's ``peer.bans``);
         called off the event loop."""
@@ -252,20 +254,29 @@ class Audits:
             for peer_id in to:
                 _side_task(self.averager, self._send(peer_id, [frame], _WAIT * g.deadline_s))
 
-    async def gossip(self, lacking: list[tuple[str, bytes]], fanout: int, timeout: float) -> int:
+    async def gossip(self, lacking: list[tuple[str, bytes]], fanout: int, timeout: float,
+                     prefer: frozenset[str] = frozenset()) -> int:
         """Peers whose heartbeats do not list a ban we hold proof for (``lacking``: (peer ID,
         liar's key), from the node's view of the run): hand the proof to at most ``fanout`` of
-        them that we have not handed it to, drawn at random, one after the other. So a ban
-        reaches the whole run within a few heartbeat intervals (each peer that checks the proof
-        hands it on in turn), not only the groups the liar joins beside a holder. The node calls
-        this once per heartbeat interval, so we send at most ``fanout`` proofs per interval
-        however many keys the run has (keys that never list a ban get each proof once).
+        them that we have not handed it to, one after the other, drawn at random, peers that
+        averaged with us lately (``prefer``) first. So a ban reaches the whole run within a
+        few heartbeat intervals (each peer that checks the proof hands it on in turn), not only
+        the groups the liar joins beside a holder. The node calls this once per heartbeat
+        interval, so we send at most ``fanout`` proofs per interval however many keys the run
+        has, and each proof to at most ``_GOSSIP_PER_LIAR`` peers: keys that post heartbeats
+        listing no ban cannot make us upload a large proof (an audit's) without end.
         -> how many proofs were sent."""
         if self._gossiping:  # the last interval's sends are still under way
             return 0
-        fresh = sorted({(p, bytes(k)) for p, k in lacking} - self._spread)
-        fresh = [(p, k) for p, k in fresh if p not in self.averager.banned]
-        picked = self._random.sample(fresh, min(fanout, len(fresh)))
+        fresh = [(p, k) for p, k in sorted({(p, bytes(k)) for p, k in lacking} - self._spread)
+                 if p not in self.averager.banned]
+        self._random.shuffle(fresh)
+        fresh.sort(key=lambda pk: pk[0] not in prefer)  # stable: partners first, each side shuffled
+        picked: list[tuple[str, bytes]] = []
+        for p, k in fresh:
+            if len(picked) < fanout and self._gossiped[k] < _GOSSIP_PER_LIAR:
+                picked.append((p, k))
+                self._gossiped[k] += 1
         if len(self._spread) + len(picked) > _SPREAD_MEMORY:
             self._spread.clear()  # at worst, a proof is sent again
         self._spread.update(picked)

@@ -95,7 +95,8 @@ class PeersMixin:
         lacking = [(peer_id_from_public_key(k), key) for k, hb in self._peers.items()
                    if hb.state != "leaving" for key in ours if key != k and key not in hb.banned]
         if lacking:
-            self.net.submit(audits.gossip(lacking, BAN_FANOUT, swarm.allreduce_timeout_s))
+            partners = frozenset(peer_id_from_public_key(k) for k in self._partners)
+            self.net.submit(audits.gossip(lacking, BAN_FANOUT, swarm.allreduce_timeout_s, prefer=partners))
 
     def _expected_joiners(self, fragment: int, round_: int) -> set[bytes]:
         """The other peers we expect to join ``round_`` of ``fragment`` (``Matchmaker.expected``):

@@ -311,3 +311,32 @@ def test_gossip_hands_a_proof_to_peers_whose_heartbeats_lack_the_ban_a_few_per_i
 
     asyncio.run(intervals())
     assert sorted(sent) == peers[:6] and len(sent) == 6  # everyone once, not the banned one
+
+
+def test_gossip_goes_to_partners_first_and_hands_one_proof_to_a_bounded_number_of_peers(monkeypatch):
+    """Keys that post heartbeats listing no ban cannot make us upload a proof without end: one
+    proof goes to at most ``_GOSSIP_PER_LIAR`` peers, those that averaged with us lately first."""
+    monkeypatch.setattr(audit_module, "_GOSSIP_PER_LIAR", 3)
+    liar = Identity.from_seed(bytes([0x92]) * 32)
+    nan = torch.full((10,), float("nan")).numpy().tobytes()
+    proof = (seal(PushSlice(run_id=RUN, fragment=1, round=2, group_id=b"e" * 16, part=0, offset=0, numel=10,
+                            shape=(10,), dtype="float32", codec="fp32", weight=1.0, stopping=False, payload=nan),
+                  liar),)
+    audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[0], banned=set(), _side_tasks=set(),
+                                    max_frame_bytes=1 << 20), rate=0.0, clip=2.0)
+    audits.proof_of = {liar.public_key: proof}.get
+    sent: list[str] = []
+
+    async def send(peer_id, frames, timeout):
+        sent.append(peer_id)
+
+    monkeypatch.setattr(audits, "_send", send)
+    sybils = [(f"s{i}", liar.public_key) for i in range(50)]
+
+    async def intervals() -> None:
+        assert await audits.gossip(sybils + [("honest", liar.public_key)], 2, 1.0, prefer=frozenset({"honest"})) == 2
+        while await audits.gossip(sybils, 2, 1.0):
+            pass
+
+    asyncio.run(intervals())
+    assert sent[0] == "honest" and len(sent) == 3
