@@ -36,8 +36,9 @@ read happens after the window has closed, so peers that see the same joins compu
 groups. Nobody has to *agree* through the DHT beyond that: members follow the one signed
 record their leader wrote, so each group has exactly one member list and order. Why nobody
 hangs: every wait ends at ``join time + T``. If views differ (a store that landed late), two
-leaders may name the same peer; it follows the leader ranked first (the same rule on every
-peer), and the other group's all-reduce drops the missing member at its deadline. A peer
+leaders may name the same peer; it follows its own leader's record, or the one its fresh read
+of the joins confirms, ranked first (the same rule on every peer), and the other group's
+all-reduce drops the missing member at its deadline. A peer
 named by nobody returns ``None`` and keeps its own value this round.
 
 Phase: peers in step meet because a shared all-reduce ends at the same moment for all of
@@ -65,7 +66,13 @@ ready for the next round.
 Checked on read: signature, message type, run, fragment and round (the signed context), that
 the subkey is the signer, numel, codec and deadline against ours, that a group's leader is its
 first member and its ID is the hash of its members, and a join time not in the future beyond
-``CLOCK_SKEW_S``. A record that fails is ignored and logged (``reason=... peer=...``).
+``CLOCK_SKEW_S``. A record that fails is ignored and logged (``reason=... peer=...``). A
+``GroupFormed`` that passes is still only a claim (any key can write one naming anyone): a
+peer follows its own leader's (the first of its group by its view), or one that is the group
+the batch rule gives its leader over the joins it reads afresh (a leader whose view was fuller
+than ours; ``Matchmaker._consistent``); a leader gives its group up only for such a record,
+ranked before it. A key that names members of other groups, joined or not, is followed by
+nobody.
 
 Closing early: the batch window is a floor under every sync (``gap + settle``, 2.5 s at the
 demo's T = 5 s), which a round shorter than that cannot hide however early it joins. So a
@@ -281,12 +288,40 @@ class Matchmaker:
             out.append(msg)
         return out
 
-    def _mine(self, formed: list[GroupFormed], seed: bytes, weight: float) -> GroupFormed | None:
-        """The record to follow: among those naming us with our weight, the leader ranked first."""
+    async def _mine(self, fragment: int, round: int, numel: int, codec: str, seed: bytes, own: _Join,
+                    leader: bytes, now: Callable[[], float]) -> GroupFormed | None:
+        """The record to follow, of those naming us with our weight (none led by a key we
+        distrust): our own leader's (``leader``: the first of our group by our view of the
+        joins), whatever its view; else one that is the group the batch rule gives its leader
+        over the joins we read now (``_consistent``), the leader ranked first. A record is a
+        claim, not a fact: any key can write one naming anyone, and following one by its rank
+        alone let a key that never joined pull peers out of their groups every round."""
         me = self.identity.public_key
-        ours = [f for f in formed if me in f.members and f.weights[f.members.index(me)] == weight
-                and f.members[0] not in self.distrusted]  # nor follow them
-        return min(ours, key=lambda f: rank(seed, f.members[0]), default=None)
+        ours = [f for f in await self._read_groups(fragment, round, numel, codec, seed)
+                if me in f.members and f.weights[f.members.index(me)] == own.weight
+                and f.members[0] not in self.distrusted]
+        led = [f for f in ours if f.members[0] == leader]
+        if led or not ours:
+            return led[0] if led else None
+        joins = await self._read_joins(fragment, round, numel, now())  # afresh: a late store may have landed
+        joins.setdefault(me, own)  # our own store may not be readable yet
+        ok = [f for f in ours if self._consistent(f, seed, joins)]
+        return min(ok, key=lambda f: rank(seed, f.members[0]), default=None)
+
+    def _consistent(self, f: GroupFormed, seed: bytes, joins: dict[bytes, _Join]) -> bool:
+        """Whether record ``f`` is a group that the batch rule gives its leader over ``joins``
+        (all of them, or without the keys we distrust: its leader may distrust them too), every
+        member having joined with the weight it names. A leader whose view was fuller than ours
+        writes such a record once its extra joins reach us; a key that names whom it likes
+        does not."""
+        if any(m not in joins or joins[m].weight != w for m, w in zip(f.members, f.weights)):
+            return False
+        views = [joins, {k: j for k, j in joins.items() if k not in self.distrusted or k in f.members}]
+        for view in views:
+            batch, _ = batch_of({k: j.joined_at for k, j in view.items()}, f.members[0], self.gap_s, self.span_s)
+            if tuple(f.members) in assign_groups(seed, batch, self.swarm.group_size):
+                return True
+        return False
 
     def _group(self, f: GroupFormed) -> Group:
         self._alone.clear()  # we are in step with a group again: old offsets no longer apply
@@ -393,7 +428,7 @@ class Matchmaker:
         log.info("batch fragment=%d round=%d peers=%d groups=%s ours=%d leader=%s", fragment, round, len(batch),
                  [len(g) for g in groups], len(mine), mine[0] == me)
         if len(mine) >= 2 and mine[0] == me:
-            taken = self._mine(await self._read_groups(fragment, round, numel, codec, seed), seed, weight)
+            taken = await self._mine(fragment, round, numel, codec, seed, joins[me], me, now)
             if taken is not None and rank(seed, taken.members[0]) < rank(seed, me):
                 return self._group(taken)  # a leader ranked before us already named us: follow it
             formed = GroupFormed(run_id=self.run_id, fragment=fragment, round=round,
@@ -420,7 +455,7 @@ class Matchmaker:
         give_up = deadline if len(mine) > 1 else min(deadline, wake + self.settle_s + 2 * self.poll_s)
         delay = self.poll_s / 8
         while True:
-            found = self._mine(await self._read_groups(fragment, round, numel, codec, seed), seed, weight)
+            found = await self._mine(fragment, round, numel, codec, seed, joins[me], mine[0], now)
             if found is not None:
                 return self._group(found)
             if now() >= give_up:

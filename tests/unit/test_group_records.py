@@ -1,0 +1,101 @@
+"""A ``GroupFormed`` record is a claim, not a fact: any key can write one naming anyone. A peer
+follows its own leader's record (by its view of the joins), or one that is the group the batch
+rule gives its leader over the joins it reads; never a key that names whom it likes
+(``Matchmaker._mine``). Found by an adversarial review: a key that never joined wrote records
+naming one member of each honest group, and those members followed it (ranked first) while
+their groups waited for them; naming a leader left that leader's followers alone."""
+
+import asyncio
+import time
+
+import pytest
+
+from peer.matchmaking import Matchmaker, assign_groups, group_id_of, groups_key, joins_key, rank, round_seed
+from protocol.envelope import seal
+from protocol.identity import Identity
+from protocol.manifest import SwarmConfig
+from protocol.messages_swarm import GroupFormed, JoinGroup
+from test_align import NUMEL, RUN_ID, MemoryDHT
+
+T, ROUND = 1.0, 7
+SEED = round_seed(RUN_ID, 0, ROUND)
+
+
+def keys_ranked(n: int, first: bool) -> tuple[list[Identity], Identity]:
+    """``n`` honest keys and a liar's key ranked before (``first``) or after all of them."""
+    pool = sorted((Identity.generate() for _ in range(n + 8)), key=lambda i: rank(SEED, i.public_key))
+    liar = pool[0] if first else pool[-1]
+    return [i for i in pool if i is not liar][:n], liar
+
+
+def record(liar: Identity, members: tuple[bytes, ...], weights: tuple[float, ...], group_size: int) -> GroupFormed:
+    return GroupFormed(run_id=RUN_ID, fragment=0, round=ROUND, group_id=group_id_of(SEED, members), members=members,
+                       weights=weights, numel=NUMEL, codec="fp32", deadline_s=SwarmConfig().allreduce_timeout_s)
+
+
+async def form(honest: list[Identity], dht: MemoryDHT, group_size: int) -> list[tuple[bytes, ...] | None]:
+    sw = SwarmConfig(matchmaking_timeout_s=T, group_size=group_size)
+    mms = [Matchmaker(dht, h, RUN_ID, sw, poll_s=0.05) for h in honest]
+    got = await asyncio.gather(*(m.form_group(0, ROUND, 1.0, NUMEL, "fp32") for m in mms))
+    return [None if g is None else g.members for g in got]
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_a_key_that_names_members_of_other_groups_is_not_followed(joined):
+    """The liar ranks before every honest key and names one member of each honest group (and
+    a leader), with itself first; joined or not, every honest peer ends in its own group."""
+    honest, liar = keys_ranked(6, first=True)
+    dht = MemoryDHT()
+    now = time.time()
+    if joined:  # its join is real: it is then in the batch, and in the one group the rule gives it
+        asyncio.run(dht.store(joins_key(RUN_ID, 0, ROUND), seal(JoinGroup(run_id=RUN_ID, fragment=0, round=ROUND,
+                    weight=1.0, numel=NUMEL), liar), now + 2 * T, subkey=liar.public_key))
+    keys = [h.public_key for h in honest] + ([liar.public_key] if joined else [])
+    rightful = assign_groups(SEED, keys, 3)
+    victims = tuple(sorted((g[0] if i == 0 else g[-1] for i, g in enumerate(rightful) if liar.public_key not in g),
+                           key=lambda k: rank(SEED, k)))
+    forged = record(liar, (liar.public_key, *victims), (1.0,) * (1 + len(victims)), 3)
+    asyncio.run(dht.store(groups_key(RUN_ID, 0, ROUND), seal(forged, liar), now + 100, subkey=liar.public_key))
+    got = asyncio.run(form(honest, dht, 3))
+    for h, members in zip(honest, got):
+        own = next(g for g in rightful if h.public_key in g)
+        if liar.public_key in own:  # led by the liar, which wrote no record of its group: alone
+            assert members is None
+        else:  # in its own group, whatever the liar wrote
+            assert members == own, (members, own)
+
+
+def test_a_leader_whose_view_was_fuller_is_followed_once_its_extra_join_is_read():
+    """Views differ: the leader saw a join we had not read when our window closed. Its record
+    is not what our view gives, but it is once we read the joins again: we follow it."""
+    honest, _ = keys_ranked(3, first=True)
+    dht = MemoryDHT()
+    sw = SwarmConfig(matchmaking_timeout_s=T, group_size=8)
+    now = time.time()
+    for h in honest:
+        asyncio.run(dht.store(joins_key(RUN_ID, 0, ROUND), seal(JoinGroup(run_id=RUN_ID, fragment=0, round=ROUND,
+                    weight=1.0, numel=NUMEL), h), now + 2 * T, subkey=h.public_key))
+    lead, _, me = sorted(honest, key=lambda i: rank(SEED, i.public_key))
+    full = tuple(sorted((h.public_key for h in honest), key=lambda k: rank(SEED, k)))
+    mm = Matchmaker(dht, me, RUN_ID, sw, poll_s=0.05)
+    # our reads of the joins in the window miss the leader's (a late store): by our view, the
+    # second peer leads our group, and the leader's record is not our leader's
+    third = lead
+    hidden = {"on": True}
+    real_read, real_mine = mm._read_joins, mm._mine
+
+    async def late_read(*a):
+        joins = await real_read(*a)
+        if hidden["on"]:  # the window's reads
+            joins.pop(third.public_key, None)
+        return joins
+
+    async def then_mine(*a):
+        hidden["on"] = False  # the store has landed by the time we look for our group
+        return await real_mine(*a)
+
+    mm._read_joins, mm._mine = late_read, then_mine
+    asyncio.run(dht.store(groups_key(RUN_ID, 0, ROUND), seal(record(lead, full, (1.0,) * 3, 8), lead), now + 100,
+                          subkey=lead.public_key))
+    got = asyncio.run(mm.form_group(0, ROUND, 1.0, NUMEL, "fp32"))
+    assert got is not None and got.members == full
