@@ -13,8 +13,11 @@ hashed in a worker thread, so the event loop that averages never waits on a larg
 only chunks that differ from the state served now are hashed (a landing changes one
 fragment). It answers ``RequestStateIndex`` with the current index and ``RequestStateChunk`` for either state; an
 unknown digest or chunk gets ``Rejected("not_found")``. At most ``max_concurrent`` sessions are
-served at once; a session beyond that gets ``Rejected("busy")`` to its first request and is
-closed. A session idle for ``idle_timeout_s`` is closed. A request that fails verification (bad
+served at once, at most ``max_per_peer`` of them to one peer (a joiner's surplus tasks step
+aside: ``peer.statesync``); a session beyond that gets ``Rejected("busy")`` to its first
+request and is closed. (So one key that keeps sessions open with a request now and then
+holds one slot, not every slot: it takes ``max_concurrent`` keys to keep a donor busy.) A
+session idle for ``idle_timeout_s`` is closed. A request that fails verification (bad
 signature, other run, signer other than the stream's peer) gets ``bad_request`` /
 ``unknown_run`` and the session ends.
 """
@@ -25,6 +28,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,13 +70,13 @@ class StateServer:
     """Serves the current (and previous) global state to joiners; see the module docstring."""
 
     def __init__(self, p2p: P2P, identity: Identity, run_id: bytes, *, chunk_bytes: int, max_concurrent: int = 2,
-                 idle_timeout_s: float = 30.0, send_timeout_s: float = 60.0):
+                 max_per_peer: int = 1, idle_timeout_s: float = 30.0, send_timeout_s: float = 60.0):
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}, got {chunk_bytes}")
         if max_concurrent < 0:
             raise ValueError(f"max_concurrent must be >= 0, got {max_concurrent}")
         self.p2p, self.identity, self.run_id = p2p, identity, run_id
-        self.chunk_bytes, self.max_concurrent = chunk_bytes, max_concurrent
+        self.chunk_bytes, self.max_concurrent, self.max_per_peer = chunk_bytes, max_concurrent, max_per_peer
         self.idle_timeout_s, self.send_timeout_s = idle_timeout_s, send_timeout_s
         self.name = handler_name(run_id)
         self.stats = ServerStats()
@@ -85,6 +89,7 @@ class StateServer:
         self._previous: _Published | None = None
         self._publish_order = asyncio.Lock()
         self._active = 0
+        self._sessions: Counter[str] = Counter()  # peer ID -> its sessions open now
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
 
@@ -163,7 +168,10 @@ class StateServer:
             self._tasks.add(task)
         serving = False
         try:
-            if self._closing or self._active >= self.max_concurrent:
+            # a peer holds at most max_per_peer of the slots: one key keeping sessions open
+            # (a request now and then) used to hold them all, and nobody could download from us
+            full = self._active >= self.max_concurrent or self._sessions[peer] >= self.max_per_peer
+            if self._closing or full:
                 code = "shutting_down" if self._closing else "busy"
                 if code == "busy":
                     self.stats.busy += 1
@@ -174,6 +182,7 @@ class StateServer:
                                                             f"{self._active} downloads in progress"))
                 return
             self._active += 1
+            self._sessions[peer] += 1
             serving = True
             self.stats.sessions += 1
             await self._serve(peer, reader, writer)
@@ -186,6 +195,9 @@ class StateServer:
         finally:
             if serving:
                 self._active -= 1
+                self._sessions[peer] -= 1
+                if not self._sessions[peer]:
+                    del self._sessions[peer]
                 if self._previous is not None and not self._wanted(self._previous):
                     self._previous = None  # nobody downloads it
             if task is not None:

@@ -77,6 +77,8 @@ from protocol.settings import Settings
 
 log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
 
+DONOR_SESSIONS = 4  # state downloads we serve at once, one per peer (peer.state_server)
+
 
 class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, WorkerStateMixin):
     def __init__(self, cfg: NodeConfig, *, manifest_bytes: bytes | None = None, run_id: bytes | None = None,
@@ -159,7 +161,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
                                          max_weight=train.max_sync_tokens())
             self.matchmaker.expected = self._expected_joiners
             self.state_server = StateServer(self.net.p2p, self.identity, self.run_id,
-                                            chunk_bytes=swarm.state_chunk_bytes)
+                                            chunk_bytes=swarm.state_chunk_bytes, max_concurrent=DONOR_SESSIONS)
             self.net.call(self.state_server.start(), timeout=30)
             self.ledger = CreditLedger(self.cfg.data_dir / self.signed.run_id_text / "credit.json")
             self.bans = Bans(self.cfg.data_dir / self.signed.run_id_text / "bans", self.run_id, train.sync.clip)

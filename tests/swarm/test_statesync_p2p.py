@@ -155,10 +155,11 @@ def test_a_busy_donor_is_passed_over(tmp_path, donors):
     stats = FetchStats()
 
     async def body(p2p, ident):
-        # hold every download slot of the busy donor (each session got its index, so it is counted)
+        # hold the busy donor's one slot for us (a peer gets one session at a time, however
+        # many slots the donor has: each session got its index, so it is counted)
         hogs = []
         try:
-            for _ in range(statesync_peers.MAX_CONCURRENT):
+            for _ in range(1):
                 s = await statesync._Session.open(p2p, busy.peer_id, statesync.handler_name(RUN), 10)
                 hogs.append(s)
                 await s.ask(RequestStateIndex(run_id=RUN), ident, StateIndex, limit=MAX_HEAD_BYTES + 1024,
@@ -175,6 +176,40 @@ def test_a_busy_donor_is_passed_over(tmp_path, donors):
     assert stats.index_from == other.peer_id
     assert list(stats.chunks) == [other.peer_id]
     assert busy.command("stats")[1]["busy"] >= 1
+
+
+def test_one_peer_holding_sessions_open_cannot_take_every_slot_of_a_donor(tmp_path, donors):
+    """Found by an adversarial review: one key that opened a donor's every session and kept
+    them open (a request now and then) made everyone else's download of it fail. A peer
+    holds one session at a time: its second is refused as busy, and another peer still
+    downloads from that donor alone."""
+    only = donors[1]
+    hog_key = str(tmp_path / "hog.key")
+    load_or_create_identity(hog_key)
+
+    async def body(p2p, ident):
+        hog = await P2P.create(initial_peers=[m for d in donors for m in d.maddrs], identity_path=hog_key,
+                               host_maddrs=["/ip4/127.0.0.1/tcp/0"], check_if_identity_free=False)
+        hog_ident = load_or_create_identity(hog_key)
+        held = []
+        try:
+            for i in range(statesync_peers.MAX_CONCURRENT):
+                s = await statesync._Session.open(hog, only.peer_id, statesync.handler_name(RUN), 10)
+                held.append(s)
+                ask = s.ask(RequestStateIndex(run_id=RUN), hog_ident, StateIndex, limit=MAX_HEAD_BYTES + 1024,
+                            timeout_s=10)
+                if i == 0:
+                    await ask  # its one slot, held open from now on
+                else:
+                    with pytest.raises(statesync._Busy):
+                        await ask
+            return await fetch_state(p2p, ident, RUN, [only.peer_id], only.digest, chunk_timeout_s=10)
+        finally:
+            for s in held:
+                s.close()
+            await hog.shutdown()
+
+    assert_bit_identical(joiner(tmp_path, donors, body))
 
 
 def test_more_parallel_tasks_than_a_single_donor_allows_still_fetch_everything(tmp_path, donors):
