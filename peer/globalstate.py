@@ -339,7 +339,8 @@ PLAUSIBLE_FACTOR = 8.0
 def check_distance(worker: Any, state: GlobalState, rounds: Sequence[int]) -> None:
     """Raise StateSyncError unless every fragment of ``state`` is as near ours as the rounds it
     claims allow: within PLAUSIBLE_FACTOR x (rounds ahead + 2) x the largest outer step this
-    worker has taken of that fragment. Checked for states up to PLAUSIBLE_ROUNDS_AHEAD rounds
+    worker has taken of that fragment, and the outer momentum within as many times its own norm
+    (or a step's worth of pseudo-gradient). Checked for states up to PLAUSIBLE_ROUNDS_AHEAD rounds
     ahead (a repair, a catch-up after a short pause); for a fragment this worker never stepped,
     or a state further ahead, nothing here can judge the distance, and the two or more donors
     that vouch for it (peer.node.catchup) are what is trusted. Checks first that the state fits
@@ -355,6 +356,21 @@ def check_distance(worker: Any, state: GlobalState, rounds: Sequence[int]) -> No
         if not dist <= limit:
             raise StateSyncError(f"the fetched state's fragment {p} is {dist:.3g} away from ours, more than the "
                                  f"{limit:.3g} that {ahead} round(s) ahead can explain; not loading it")
+        # the outer momentum too: it moves every later step, and a buffer of 3e38 (finite, and
+        # passing every check above) made the copy NaN a few rounds after it was loaded
+        ours, theirs = frag.momentum(), state.tensors.get(f"outer_momentum/{p}")
+        if ours is None or theirs is None:
+            continue
+        lr = float(frag.opt.param_groups[0]["lr"]) or 1.0
+        limit = PLAUSIBLE_FACTOR * (ahead + 2) * max(_norm(ours), scale / lr)  # a step moves it by about g = step / lr
+        dist = float(torch.linalg.vector_norm(theirs - ours, dtype=torch.float64))
+        if not dist <= limit:
+            raise StateSyncError(f"the fetched state's outer momentum of fragment {p} is {dist:.3g} away from ours, "
+                                 f"more than the {limit:.3g} that {ahead} round(s) ahead can explain; not loading it")
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t, dtype=torch.float64))
 
 
 def vouchers_needed(others: int) -> int:

@@ -182,6 +182,15 @@ def test_a_state_near_ours_passes_the_distance_check_and_a_far_one_does_not():
     zeros = dataclasses.replace(near, tensors={k: torch.zeros_like(v) for k, v in near.tensors.items()})
     with pytest.raises(StateSyncError, match="away from ours"):
         check_distance(w, zeros, rounds)  # a model of zeros is nowhere near one round of training away
+    # our own copy with a poisoned outer momentum (finite, so check_finite passes): it would
+    # turn the copy NaN a few outer steps later (found by an adversarial review)
+    assert "outer_momentum/0" in near.tensors
+    poisoned = dataclasses.replace(near, tensors={**near.tensors, "outer_momentum/0": near.tensors["outer_momentum/0"]
+                                                  .clone().fill_(3e38)})
+    with pytest.raises(StateSyncError, match="outer momentum of fragment 0"):
+        check_distance(w, poisoned, rounds)
+    doubled = dataclasses.replace(near, tensors={**near.tensors, "outer_momentum/0": 2 * near.tensors["outer_momentum/0"]})
+    check_distance(w, doubled, rounds)  # another peer's momentum, a round apart: plausible
     far_ahead = dataclasses.replace(zeros, rounds=tuple(r + 50 for r in rounds))
     check_distance(w, far_ahead, rounds)  # 50 rounds ahead: only two vouching donors can tell
     fresh = Worker(CFG)  # never stepped: nothing to judge against
