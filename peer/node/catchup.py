@@ -7,11 +7,12 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import statistics
 import time
 
 from peer.globalstate import (
-    StateSyncError, apply, check_distance, check_finite, choose_digest, max_state_bytes, pack_state, repair_vote,
-    snapshot, vouchers_needed,
+    PLAUSIBLE_ROUNDS_AHEAD, StateSyncError, apply, check_distance, check_finite, choose_digest, max_state_bytes,
+    pack_state, repair_vote, snapshot, vouchers_needed,
 )
 from peer.network import NetworkError
 from peer.node.config import STATE_INDEX_ATTEMPTS
@@ -31,6 +32,21 @@ def download_s(swarm) -> float:
 
 
 DIGEST_HISTORY = 16  # of our latest landings whose digests a repair compares peers' heartbeats with
+PACE_ALLOWANCE = 2.0  # how much faster than our own rounds a peer that averaged with us may have gone on
+
+
+def plausible_progress(anchor: tuple[float, int] | None, claimed: int, fragments: int, now: float,
+                   round_s: float) -> bool:
+    """Whether a peer that last averaged with us at ``anchor`` (monotonic time, our rounds'
+    sum then) may be at rounds summing to ``claimed`` now: at most PLAUSIBLE_ROUNDS_AHEAD
+    rounds of each fragment beyond where it was, plus PACE_ALLOWANCE x the rounds of ours
+    that fit in the time since (``round_s``: our time per round). A peer that never averaged
+    with us (no anchor), or before our pace is known, is not believed."""
+    if anchor is None or round_s <= 0:
+        return False
+    at, rounds = anchor
+    allowed = fragments * (PLAUSIBLE_ROUNDS_AHEAD + PACE_ALLOWANCE * max(0.0, now - at) / round_s)
+    return claimed - rounds <= allowed
 
 
 class CatchUpMixin:
@@ -54,6 +70,8 @@ class CatchUpMixin:
         lag = 1 if joining or not self._caught_up or self._repair_due else 2
         ahead = {k: hb.state_digest for k, hb in peers.items()
                  if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
+        if not joining:
+            ahead = self._plausibly_ahead(ahead, peers, mine)
         if joining and not ahead:
             # a heartbeat is up to two intervals old, and vouches for the last state its peer had
             # finished publishing: it may be rounds behind its peer (after a pause, the run went
@@ -114,6 +132,35 @@ class CatchUpMixin:
         # out of step with them for that long: take their next landing, start before their next sync
         self._repair_due, self._repair_tries = False, 0
         self._download(swarm, sorted(differ), fast_forward=True, min_donors=1)
+
+    def _plausibly_ahead(self, ahead: dict[bytes, bytes], peers: dict, mine: int) -> dict[bytes, bytes]:
+        """Of the peers whose heartbeats say they are ahead of our round ``mine`` (a node
+        training, not joining), those whose claim fits what they showed us before. Up to
+        PLAUSIBLE_ROUNDS_AHEAD rounds ahead, anyone's (the state must then lie near ours:
+        ``check_distance``). Further ahead, where nothing can judge the state, only a peer that
+        averaged with us (so it was where we were, then: ``_anchors``) and has not come further
+        since than twice our pace allows (``plausible_progress``): two keys that never averaged
+        with us, claiming 50 rounds and serving zeros, used to replace the model of every peer
+        that was training in step."""
+        cycles = self.stats.cycle_times
+        round_s = self.worker.schedule.inner_steps * statistics.median(cycles) if cycles and self.worker else 0.0
+        now, out, doubted = time.monotonic(), {}, []
+        for k, digest in ahead.items():
+            rounds = tuple(peers[k].rounds)
+            if min(rounds, default=0) - mine <= PLAUSIBLE_ROUNDS_AHEAD or \
+                    plausible_progress(self._anchors.get(k), sum(rounds), len(rounds), now, round_s):
+                out[k] = digest
+            else:
+                doubted.append(k)
+        fresh = [k for k in doubted if (k, sum(peers[k].rounds)) not in self._doubted]
+        if fresh:
+            if len(self._doubted) > 4096:
+                self._doubted.clear()  # at worst, a claim is logged again
+            self._doubted |= {(k, sum(peers[k].rounds)) for k in fresh}  # said once per claim
+            log.warning("not believing %d peer(s) that claim to be more than %d rounds ahead of round %d: none "
+                        "averaged with us lately at a pace that leads there (peers %s)", len(fresh),
+                        PLAUSIBLE_ROUNDS_AHEAD, mine, ", ".join(peer_id_from_public_key(k) for k in fresh))
+        return out
 
     def _served_ahead(self, swarm, keys: list[bytes], at_least: int) -> dict[bytes, bytes]:
         """Of the peers ``keys``, those that serve a state at round ``at_least`` or later now:

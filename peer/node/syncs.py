@@ -30,6 +30,7 @@ from protocol.messages_control import (
 
 log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
 
+MAX_ANCHORS = 1024  # peers whose last round with us we remember (peer.node.catchup: claims to be far ahead)
 PACE_STEPS = 20  # timed inner steps before a node compares its pace with the swarm's (peer.pace)
 
 
@@ -312,6 +313,10 @@ class SyncMixin:
             for i, key in enumerate(result[3]):
                 if i not in outcome.dropped and key != self.identity.public_key:
                     self._partners[key] = now
+                    self._anchors[key] = (now, sum(self.stats.rounds))  # where it was, proven (peer.node.catchup)
+            if len(self._anchors) > MAX_ANCHORS:  # the ones we met longest ago go first
+                for key, _ in sorted(self._anchors.items(), key=lambda kv: kv[1][0])[:len(self._anchors) - MAX_ANCHORS]:
+                    del self._anchors[key]
             self._remember(FragmentSynced(
                 at=time.time(), fragment=fragment, round=round_, group_size=size,
                 contributors=max(1, size - len(outcome.dropped)), weight=float(weight),
