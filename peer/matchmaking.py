@@ -180,6 +180,17 @@ def batch_of(join_times: dict[bytes, float], me: bytes, gap_s: float, span_s: fl
     return batch, min(last + gap_s, first + span_s)
 
 
+def busiest_batch(times: list[float], gap_s: float, span_s: float) -> float:
+    """The first join time of the batch (chained as ``batch_of`` chains them) that holds the
+    most of ``times``, the earliest of those on a tie."""
+    batches: list[list[float]] = []
+    for t in sorted(times):
+        if not batches or t > batches[-1][-1] + gap_s or t > batches[-1][0] + span_s:
+            batches.append([])
+        batches[-1].append(t)
+    return max(batches, key=len)[0]  # max keeps the first of equals: the earliest
+
+
 def group_id_of(seed: bytes, members: tuple[bytes, ...]) -> bytes:
     return hashlib.sha256(b"swarmstream/group-id/v1\0" + seed + b"".join(members)).digest()[:GROUP_ID_BYTES]
 
@@ -370,17 +381,23 @@ class Matchmaker:
         (less what we waited since). Without that, two peers a round apart would never meet.
         A peer more than 1.5 of our rounds behind is not waited for: it is rounds behind, not
         out of step, and downloads the swarm's state (``peer.node.catchup``); waiting for it
-        would only keep it from falling far enough behind to do so."""
+        would only keep it from falling far enough behind to do so. The wait goes to the start
+        of the batch most of them joined in (``busiest_batch``), not to the latest join: a join
+        time is its writer's choice."""
         alone = self._alone.get(fragment, {})
         waited = self._waited.setdefault(fragment, {})
         me = self.identity.public_key
         delay = 0.0
         q = round - 1
         while q in alone and q > round - 1 - ALIGN_HISTORY:  # our lonely rounds, latest first, back to back
-            others = [j.joined_at for k, j in (await self._read_joins(fragment, q, numel, now())).items() if k != me]
+            joins = await self._read_joins(fragment, q, numel, now())
+            others = [j.joined_at for k, j in joins.items() if k != me and k not in self.distrusted]
             if others:
-                if later := [t - alone[q] for t in others if t > alone[q]]:
-                    delay = max(later) - sum(waited.get(x, 0.0) for x in range(q + 1, round))
+                if later := [t for t in others if t > alone[q]]:
+                    # where most of them joined, not the latest join: one key's join, dated
+                    # just under T after ours, kept a peer waiting T and alone every round
+                    delay = busiest_batch(later, self.gap_s, self.span_s) - alone[q] \
+                        - sum(waited.get(x, 0.0) for x in range(q + 1, round))
                     period = alone[q + 1] - alone[q] if q + 1 in alone else alone[q] - alone.get(q - 1, -math.inf)
                     if delay > 1.5 * period:  # a round or more behind: it catches up by download, not by our waits
                         delay = 0.0

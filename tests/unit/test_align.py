@@ -156,3 +156,17 @@ def test_a_batch_closes_as_soon_as_every_expected_peer_is_in_it(expect_other):
         assert dht.join_reads == 1
     else:
         assert dht.join_reads > 10  # polled until gap + settle after the last join
+
+
+def test_one_key_joining_just_under_a_timeout_later_does_not_set_the_wait():
+    """Found by an adversarial review: the wait followed the latest join of our lonely round,
+    so one key's join dated just under T after ours kept us waiting T, missing the others'
+    batch, alone again, every round. The wait goes to where most of them joined."""
+    dht = MemoryDHT()
+    mm = matchmaker(dht)
+    mm._alone[0] = {4: 100.0}
+    join(dht, mm, ME, 4, 100.0)
+    for k in range(2):  # the others, together, 1.5 s after us
+        join(dht, mm, Identity.from_seed(bytes([0x40 + k]) * 32), 4, 101.5 + 0.1 * k)
+    join(dht, mm, Identity.from_seed(b"\x66" * 32), 4, 100.0 + T - 0.05)  # the liar
+    assert delay(mm, 5, now=104.0) == pytest.approx(1.5)
