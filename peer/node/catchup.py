@@ -252,11 +252,15 @@ class CatchUpMixin:
             def progress(done: int, total: int) -> None:  # on the network thread; the dashboard polls it
                 self._progress = (done / total if total else 1.0, label)
 
-            state = self.net.call(fetch_state(self.net.p2p, self.identity, self.run_id, serving, digest,
+            fut = self.net.submit(fetch_state(self.net.p2p, self.identity, self.run_id, serving, digest,
                                               chunk_timeout_s=swarm.state_chunk_timeout_s, progress=progress,
-                                              max_bytes=max_state_bytes(worker)),
-                                  timeout=download_s(swarm) if until is None
-                                  else min(download_s(swarm), until - time.monotonic()))
+                                              max_bytes=max_state_bytes(worker)))
+            try:  # beating meanwhile: a download may take longer than a heartbeat lives
+                state = self._await_beating(fut, swarm, download_s(swarm) if until is None
+                                            else min(download_s(swarm), until - time.monotonic()))
+            except TimeoutError:
+                fut.cancel()
+                raise NetworkError("the state download did not finish in time") from None
             check_finite(state)  # here, before anything changes; apply() checks it again
             check_distance(worker, state, self.stats.rounds)
         except (StateSyncError, NetworkError) as e:

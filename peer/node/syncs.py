@@ -5,6 +5,7 @@ alone, and count what happened."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -261,6 +262,19 @@ class SyncMixin:
             for key, syncs in _drain(audits.suspended):  # already out of our groups (peer.distrust)
                 self.on_event({"event": "suspended", "peer": peer_id_from_public_key(key), "syncs": syncs})
 
+    def _await_beating(self, fut, swarm, timeout_s: float):
+        """``fut.result(timeout_s)``, beating every heartbeat interval meanwhile. A landing can
+        wait up to 2.5 all-reduce deadlines (a part late under load), longer than a heartbeat
+        lives: our heartbeat expired, and a partner that finished the run meanwhile saw nobody
+        on the way to its final rounds, left, and the two ended on different copies (CI)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            done, _ = concurrent.futures.wait([fut], timeout=max(0.0, min(left, swarm.heartbeat_interval_s)))
+            if done or left <= swarm.heartbeat_interval_s:
+                return fut.result(timeout=0)  # its result, its error, or TimeoutError at the deadline
+            self._beat(swarm)
+
     def _land(self, sync: InFlight, swarm) -> None:
         worker = self.worker
         fragment, round_ = sync.fragment, sync.round
@@ -268,7 +282,7 @@ class SyncMixin:
         t0 = time.perf_counter()
         reason = ""
         try:
-            result = fut.result(timeout=swarm.matchmaking_timeout_s + 2.5 * swarm.allreduce_timeout_s + 30)
+            result = self._await_beating(fut, swarm, swarm.matchmaking_timeout_s + 2.5 * swarm.allreduce_timeout_s + 30)
             if result is None:
                 reason = "no group formed: averaged alone"
         except Exception as e:  # a failed round must not stop training: average alone

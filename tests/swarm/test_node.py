@@ -115,7 +115,8 @@ def test_four_peers_agree_bit_for_bit_every_round_and_track_the_simulation(tmp_p
 def test_a_peer_killed_mid_allreduce_is_dropped_expires_and_resumes_from_its_checkpoint(tmp_path, demos):
     events = Events()
     demo = Demo(3, rounds=None, workdir=tmp_path, on_event=events, checkpoint_every_s=0,
-                envs={2: {"SWARMSTREAM_FAULT": "die-after-group:0:1"}})
+                envs={0: {"SWARMSTREAM_LOG": "INFO"}, 1: {"SWARMSTREAM_LOG": "INFO"},
+                      2: {"SWARMSTREAM_FAULT": "die-after-group:0:1"}})
     demos.append(demo)
     demo.start()
     _, listening = events.wait_for(lambda i, ev: i == 2 and ev.get("event") == "listening")
