@@ -325,8 +325,10 @@ class SyncMixin:
             now = time.monotonic()  # the members that averaged with us: the run's end waits for them (peer.node.settle)
             self._partners = {k: t for k, t in self._partners.items() if now - t <= swarm.heartbeat_ttl_s}
             for i, key in enumerate(result[3]):
-                if i not in outcome.dropped and key != self.identity.public_key:
-                    self._partners[key] = now
+                if key == self.identity.public_key:
+                    continue
+                self._partners[key] = now  # dropped too: one late to us may be in its last round still
+                if i not in outcome.dropped:
                     self._anchors[key] = (now, sum(self.stats.rounds))  # where it was, proven (peer.node.catchup)
             if len(self._anchors) > MAX_ANCHORS:  # the ones we met longest ago go first
                 for key, _ in sorted(self._anchors.items(), key=lambda kv: kv[1][0])[:len(self._anchors) - MAX_ANCHORS]:
