@@ -221,18 +221,21 @@ async def current_indexes(p2p: P2P, identity: Identity, run_id: bytes, donors: l
     async def ask(donor: str) -> tuple[str, tuple[bytes, StateIndex] | None]:
         session = None
         try:
-            session = await _Session.open(p2p, donor, name, timeout_s)
-            v = await session.ask(RequestStateIndex(run_id=run_id), identity, StateIndex,
-                                  limit=MAX_HEAD_BYTES + ENVELOPE_OVERHEAD, timeout_s=timeout_s)
+            # the stream and the answer within timeout_s together: one donor slow at both used
+            # to hold the poll for twice that, past its caller's budget, and failed the download
+            async with asyncio.timeout(timeout_s):
+                session = await _Session.open(p2p, donor, name, timeout_s)
+                v = await session.ask(RequestStateIndex(run_id=run_id), identity, StateIndex,
+                                      limit=MAX_HEAD_BYTES + ENVELOPE_OVERHEAD, timeout_s=timeout_s)
             return donor, (sha256(v.body), v.message)
-        except (_Busy, _DonorFailed) as e:
-            log.info("no state index from donor peer=%s reason=%s", short_id(donor), e)
+        except (_Busy, _DonorFailed, TimeoutError) as e:
+            log.info("no state index from donor peer=%s reason=%s", short_id(donor), e or "no answer in time")
             return donor, None
         finally:
             if session is not None:
                 session.close()
 
-    answers = await asyncio.gather(*(ask(d) for d in dict.fromkeys(donors)))
+    answers = await asyncio.gather(*(ask(d) for d in dict.fromkeys(donors)))  # at most timeout_s
     return {d: a for d, a in answers if a is not None}
 
 
