@@ -18,7 +18,7 @@ from peer.network import NetworkError
 from peer.node.config import STATE_INDEX_ATTEMPTS
 from peer.statesync import current_indexes, fetch_state
 from peer.worker import Worker
-from protocol.identity import peer_id_from_public_key
+from protocol.identity import peer_id_from_public_key, public_key_from_peer_id
 
 log = logging.getLogger("peer.node")  # one logger name for the whole node, also under python -m
 
@@ -138,8 +138,10 @@ class CatchUpMixin:
         training, not joining), those whose claim fits what they showed us before. Up to
         PLAUSIBLE_ROUNDS_AHEAD rounds ahead, anyone's (the state must then lie near ours:
         ``check_distance``). Further ahead, where nothing can judge the state, only a peer that
-        averaged with us (so it was where we were, then: ``_anchors``) and has not come further
-        since than twice our pace allows (``plausible_progress``): two keys that never averaged
+        averaged with us, or served us the state we took (so it was where we were, then:
+        ``_anchors``) and has not come further since than twice our pace allows
+        (``plausible_progress``; a joiner slower than the swarm in lockstep catches up again
+        from its donors): two keys that never averaged
         with us, claiming 50 rounds and serving zeros, used to replace the model of every peer
         that was training in step."""
         cycles = self.stats.cycle_times
@@ -291,6 +293,9 @@ class CatchUpMixin:
         self._digests[self.state_rounds] = digest
         self._publish_state(worker)  # serve what we now vouch for (the same bytes: the same digest)
         self._caught_up, self._repair_due, self._repair_tries = True, False, 0
+        now = time.monotonic()  # the donors were where this state is, as the bytes we checked show
+        for donor in serving:
+            self._anchors[public_key_from_peer_id(donor)] = (now, sum(state.rounds))
         if fast_forward:
             # the donors just landed this state and train toward the next sync its rounds imply:
             # start right before it, so our next step meets them in that round's matchmaking
