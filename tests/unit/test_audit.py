@@ -235,6 +235,18 @@ def test_a_proof_we_hold_costs_the_sender_no_check():
     assert audits._checked == {"a": 1} and len(audits.offences) == 1
 
 
+def _holder_of_proof(liar: Identity, banned: set[str] | None = None) -> Audits:
+    """An ``Audits`` that holds proof against ``liar`` (a NaN slice it signed)."""
+    nan = torch.full((10,), float("nan")).numpy().tobytes()
+    proof = (seal(PushSlice(run_id=RUN, fragment=1, round=2, group_id=b"e" * 16, part=0, offset=0, numel=10,
+                            shape=(10,), dtype="float32", codec="fp32", weight=1.0, stopping=False, payload=nan),
+                  liar),)
+    audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[0], banned=banned or set(), _side_tasks=set(),
+                                    max_frame_bytes=1 << 20), rate=0.0, clip=2.0)
+    audits.proof_of = {liar.public_key: proof}.get
+    return audits
+
+
 def test_spread_hands_a_saved_proof_on_after_the_round_within_the_bytes_it_sent(monkeypatch):
     """A banned member in our group: our proof goes to the others not told yet, at most as
     many bytes as we sent in the round, once per member."""
@@ -243,14 +255,8 @@ def test_spread_hands_a_saved_proof_on_after_the_round_within_the_bytes_it_sent(
               + tuple(Identity.from_seed(bytes([0x90 + i]) * 32).public_key for i in range(2)),
               weights=(1.0,) * n, numel=60, codec="fp32", deadline_s=5.0)
     rnd = Round(g, 0, torch.zeros(60), get_codec("fp32"), 2.0, excluded=frozenset({banned}))
-    nan = torch.full((10,), float("nan")).numpy().tobytes()
     liar = Identity.from_seed(bytes([0x91]) * 32)
-    proof = (seal(PushSlice(run_id=RUN, fragment=1, round=2, group_id=b"e" * 16, part=0, offset=0, numel=10,
-                            shape=(10,), dtype="float32", codec="fp32", weight=1.0, stopping=False, payload=nan),
-                  liar),)
-    audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[0], banned=set(), _side_tasks=set(),
-                                    max_frame_bytes=1 << 20), rate=0.0, clip=2.0)
-    audits.proof_of = {liar.public_key: proof}.get
+    audits = _holder_of_proof(liar)
     sent: list[str] = []
 
     async def send(peer_id, frames, timeout):
@@ -279,14 +285,8 @@ def test_gossip_hands_a_proof_to_peers_whose_heartbeats_lack_the_ban_a_few_per_i
     ``fanout`` per call (one call per heartbeat interval), each (peer, liar) once, none to a
     peer we banned; a call while the last one's sends are under way sends nothing."""
     liar = Identity.from_seed(bytes([0x91]) * 32)
-    nan = torch.full((10,), float("nan")).numpy().tobytes()
-    proof = (seal(PushSlice(run_id=RUN, fragment=1, round=2, group_id=b"e" * 16, part=0, offset=0, numel=10,
-                            shape=(10,), dtype="float32", codec="fp32", weight=1.0, stopping=False, payload=nan),
-                  liar),)
     peers = [f"p{i}" for i in range(7)]
-    audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[0], banned={"p6"}, _side_tasks=set(),
-                                    max_frame_bytes=1 << 20), rate=0.0, clip=2.0)
-    audits.proof_of = {liar.public_key: proof}.get
+    audits = _holder_of_proof(liar, banned={"p6"})
     sent: list[str] = []
     gate = asyncio.Event()
 
@@ -318,13 +318,7 @@ def test_gossip_goes_to_partners_first_and_hands_one_proof_to_a_bounded_number_o
     proof goes to at most ``_GOSSIP_PER_LIAR`` peers, those that averaged with us lately first."""
     monkeypatch.setattr(audit_module, "_GOSSIP_PER_LIAR", 3)
     liar = Identity.from_seed(bytes([0x92]) * 32)
-    nan = torch.full((10,), float("nan")).numpy().tobytes()
-    proof = (seal(PushSlice(run_id=RUN, fragment=1, round=2, group_id=b"e" * 16, part=0, offset=0, numel=10,
-                            shape=(10,), dtype="float32", codec="fp32", weight=1.0, stopping=False, payload=nan),
-                  liar),)
-    audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[0], banned=set(), _side_tasks=set(),
-                                    max_frame_bytes=1 << 20), rate=0.0, clip=2.0)
-    audits.proof_of = {liar.public_key: proof}.get
+    audits = _holder_of_proof(liar)
     sent: list[str] = []
 
     async def send(peer_id, frames, timeout):
