@@ -235,6 +235,17 @@ def test_a_proof_we_hold_costs_the_sender_no_check():
     assert audits._checked == {"a": 1} and len(audits.offences) == 1
 
 
+def _recording_holder(liar: Identity, monkeypatch) -> tuple[Audits, list[str]]:
+    """``_holder_of_proof``, and the peers it sends to, in order (nothing goes out)."""
+    audits, sent = _holder_of_proof(liar), []
+
+    async def send(peer_id, frames, timeout):
+        sent.append(peer_id)
+
+    monkeypatch.setattr(audits, "_send", send)
+    return audits, sent
+
+
 def _holder_of_proof(liar: Identity, banned: set[str] | None = None) -> Audits:
     """An ``Audits`` that holds proof against ``liar`` (a NaN slice it signed)."""
     nan = torch.full((10,), float("nan")).numpy().tobytes()
@@ -256,13 +267,7 @@ def test_spread_hands_a_saved_proof_on_after_the_round_within_the_bytes_it_sent(
               weights=(1.0,) * n, numel=60, codec="fp32", deadline_s=5.0)
     rnd = Round(g, 0, torch.zeros(60), get_codec("fp32"), 2.0, excluded=frozenset({banned}))
     liar = Identity.from_seed(bytes([0x91]) * 32)
-    audits = _holder_of_proof(liar)
-    sent: list[str] = []
-
-    async def send(peer_id, frames, timeout):
-        sent.append(peer_id)
-
-    monkeypatch.setattr(audits, "_send", send)
+    audits, sent = _recording_holder(liar, monkeypatch)
     size = sum(len(x) for x in audits._sealed_proof(RUN, liar.public_key))
 
     async def rounds() -> None:
@@ -318,13 +323,7 @@ def test_gossip_goes_to_partners_first_and_hands_one_proof_to_a_bounded_number_o
     proof goes to at most ``_GOSSIP_PER_LIAR`` peers, those that averaged with us lately first."""
     monkeypatch.setattr(audit_module, "_GOSSIP_PER_LIAR", 3)
     liar = Identity.from_seed(bytes([0x92]) * 32)
-    audits = _holder_of_proof(liar)
-    sent: list[str] = []
-
-    async def send(peer_id, frames, timeout):
-        sent.append(peer_id)
-
-    monkeypatch.setattr(audits, "_send", send)
+    audits, sent = _recording_holder(liar, monkeypatch)
     sybils = [(f"s{i}", liar.public_key) for i in range(50)]
 
     async def intervals() -> None:
