@@ -149,7 +149,9 @@ class CatchUpMixin:
         now, out, doubted = time.monotonic(), {}, []
         for k, digest in ahead.items():
             rounds = tuple(peers[k].rounds)
-            if min(rounds, default=0) - mine <= PLAUSIBLE_ROUNDS_AHEAD or \
+            if len(rounds) != len(self.worker.outer):  # not this run's fragments: its sums mean nothing
+                doubted.append(k)
+            elif min(rounds, default=0) - mine <= PLAUSIBLE_ROUNDS_AHEAD or \
                     plausible_progress(self._anchors.get(k), sum(rounds), len(rounds), now, round_s):
                 out[k] = digest
             else:

@@ -203,7 +203,9 @@ def test_a_late_joiner_downloads_the_state_and_then_matches_the_others_bit_for_b
     seen = events.seen
     assert not [ev for i, ev in seen if ev.get("event") == "state_synced" and max(ev["rounds"]) >= 50]
     logs = "".join((tmp_path / f"peer{i}.log").read_text() for i in range(4))
-    assert "no two vouch for one state" in logs  # the liar's claim was seen, and refused
+    # the liar's claim was seen, and refused: one voucher is not enough, and a claim that far
+    # ahead from a key that never averaged with the peers is not believed at all
+    assert "no two vouch for one state" in logs or "not believing" in logs
 
 
 def test_ctrl_c_stops_a_node_within_seconds_with_its_work_saved_and_no_daemon_left(tmp_path, demos):

@@ -33,7 +33,7 @@ def test_no_pace_known_believes_nobody_far_ahead():
 class Node(CatchUpMixin):
     def __init__(self, anchors):
         self.stats = SimpleNamespace(cycle_times=[0.5] * 30)
-        self.worker = SimpleNamespace(schedule=SimpleNamespace(inner_steps=20))  # a round: 10 s
+        self.worker = SimpleNamespace(schedule=SimpleNamespace(inner_steps=20), outer=[None, None])  # a round: 10 s
         self._anchors, self._doubted = anchors, set()
 
 
@@ -54,3 +54,14 @@ def test_far_claims_of_strangers_are_dropped_near_ones_kept_and_said_once(caplog
         assert node._plausibly_ahead(ahead, peers, 5) == kept
     assert set(kept) == {a, d}  # a: 2 ahead (the distance check judges it); d: 600 s is 60 of our rounds
     assert caplog.text.count("not believing 2 peer(s)") == 1
+
+
+def test_a_heartbeat_with_another_count_of_fragments_is_not_believed(monkeypatch):
+    """Found by a review: the allowance is per fragment, so a one-entry rounds list holding
+    all the fragments' rounds passed at once."""
+    import peer.node.catchup as catchup
+
+    monkeypatch.setattr(catchup.time, "monotonic", lambda: 1000.0)
+    c = b"\x02" * 32
+    node = Node({c: (1000.0, 10)})
+    assert node._plausibly_ahead({c: b"d"}, {c: hb((10,))}, 1) == {}
