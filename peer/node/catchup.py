@@ -37,7 +37,7 @@ PACE_ALLOWANCE = 2.0  # how much faster than our own rounds a peer that averaged
 
 def plausible_progress(anchor: tuple[float, int] | None, claimed: int, fragments: int, now: float,
                    round_s: float) -> bool:
-    """Whether a peer that last averaged with us at ``anchor`` (monotonic time, our rounds'
+    """Whether a peer that last averaged with us at ``anchor`` (wall time, our rounds'
     sum then) may be at rounds summing to ``claimed`` now: at most PLAUSIBLE_ROUNDS_AHEAD
     rounds of each fragment beyond where it was, plus PACE_ALLOWANCE x the rounds of ours
     that fit in the time since (``round_s``: our time per round). A peer that never averaged
@@ -146,7 +146,9 @@ class CatchUpMixin:
         that was training in step."""
         cycles = self.stats.cycle_times
         round_s = self.worker.schedule.inner_steps * statistics.median(cycles) if cycles and self.worker else 0.0
-        now, out, doubted = time.monotonic(), {}, []
+        # wall time: a monotonic clock stops while the OS is suspended, and a laptop that slept an
+        # hour would find the swarm far ahead with no time passed, and refuse to catch up
+        now, out, doubted = time.time(), {}, []
         for k, digest in ahead.items():
             rounds = tuple(peers[k].rounds)
             if len(rounds) != len(self.worker.outer):  # not this run's fragments: its sums mean nothing
@@ -295,7 +297,7 @@ class CatchUpMixin:
         self._digests[self.state_rounds] = digest
         self._publish_state(worker)  # serve what we now vouch for (the same bytes: the same digest)
         self._caught_up, self._repair_due, self._repair_tries = True, False, 0
-        now = time.monotonic()  # the donors were where this state is, as the bytes we checked show
+        now = time.time()  # the donors were where this state is, as the bytes we checked show (wall time: see _plausibly_ahead)
         for donor in serving:
             self._anchors[public_key_from_peer_id(donor)] = (now, sum(state.rounds))
         if fast_forward:

@@ -182,7 +182,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             self._repair_tries = 0  # checks at which the donors of a due repair were not at our rounds
             self._trusted = frozenset({self.signed.manifest.creator})  # its word on the state is enough alone
             self._refused_claims: set[bytes] = set()  # state digests claimed ahead by too few peers
-            self._anchors: dict[bytes, tuple[float, int]] = {}  # key -> (when, our rounds' sum) it last averaged with us
+            self._anchors: dict[bytes, tuple[float, int]] = {}  # key -> (when, wall time; our rounds' sum) it last averaged with us
             self._doubted: set[tuple[bytes, int]] = set()  # (key, rounds' sum) of far-ahead claims we did not believe
             self._caught_up = False  # joined the swarm's state (or found nobody ahead); until then lag 1
             self._sync_started_at: list[int] = []  # step of each fragment's latest contribution

@@ -329,7 +329,7 @@ class SyncMixin:
                     continue
                 self._partners[key] = now  # dropped too: one late to us may be in its last round still
                 if i not in outcome.dropped:
-                    self._anchors[key] = (now, sum(self.stats.rounds))  # where it was, proven (peer.node.catchup)
+                    self._anchors[key] = (time.time(), sum(self.stats.rounds))  # where it was (wall time: catchup)
             if len(self._anchors) > MAX_ANCHORS:  # the ones we met longest ago go first
                 for key, _ in sorted(self._anchors.items(), key=lambda kv: kv[1][0])[:len(self._anchors) - MAX_ANCHORS]:
                     del self._anchors[key]

@@ -44,7 +44,7 @@ def hb(rounds):
 def test_far_claims_of_strangers_are_dropped_near_ones_kept_and_said_once(caplog, monkeypatch):
     import peer.node.catchup as catchup
 
-    monkeypatch.setattr(catchup.time, "monotonic", lambda: 1000.0)
+    monkeypatch.setattr(catchup.time, "time", lambda: 1000.0)
     a, b, c, d = (bytes([k]) * 32 for k in range(4))
     node = Node({c: (995.0, 10), d: (400.0, 10)})  # c averaged with us 5 s ago, d 600 s ago
     peers = {a: hb((7, 7)), b: hb((55, 55)), c: hb((55, 55)), d: hb((55, 55))}
@@ -61,7 +61,7 @@ def test_a_heartbeat_with_another_count_of_fragments_is_not_believed(monkeypatch
     all the fragments' rounds passed at once."""
     import peer.node.catchup as catchup
 
-    monkeypatch.setattr(catchup.time, "monotonic", lambda: 1000.0)
+    monkeypatch.setattr(catchup.time, "time", lambda: 1000.0)
     c = b"\x02" * 32
     node = Node({c: (1000.0, 10)})
     assert node._plausibly_ahead({c: b"d"}, {c: hb((10,))}, 1) == {}
