@@ -70,7 +70,7 @@ class CatchUpMixin:
         lag = 1 if joining or not self._caught_up or self._repair_due else 2
         ahead = {k: hb.state_digest for k, hb in peers.items()
                  if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
-        if not joining:
+        if not joining and self._in_step:
             ahead = self._plausibly_ahead(ahead, peers, mine)
         if joining and not ahead:
             # a heartbeat is up to two intervals old, and vouches for the last state its peer had
@@ -96,6 +96,10 @@ class CatchUpMixin:
             return
         if joining and not ahead:
             self._caught_up = True  # nobody is ahead of us: we start in step with the swarm
+            # in step for far-ahead claims only if the read showed the swarm, or we start the run:
+            # a read can come back short under load, and a node resumed from a checkpoint that
+            # took an empty one for the swarm would never believe the run it fell behind
+            self._in_step = self._in_step or bool(peers) or not any(self.stats.rounds)
         # a repair compares the digest of the copy we hold: wait for its publish (a landing
         # hashes one fragment; a lone landing after it would leave that digest behind unread)
         self._harvest_published(wait_s=swarm.state_chunk_timeout_s if self._repair_due else 0.0)
@@ -135,7 +139,7 @@ class CatchUpMixin:
 
     def _plausibly_ahead(self, ahead: dict[bytes, bytes], peers: dict, mine: int) -> dict[bytes, bytes]:
         """Of the peers whose heartbeats say they are ahead of our round ``mine`` (a node
-        training, not joining), those whose claim fits what they showed us before. Up to
+        training in step: ``_in_step``), those whose claim fits what they showed us before. Up to
         PLAUSIBLE_ROUNDS_AHEAD rounds ahead, anyone's (the state must then lie near ours:
         ``check_distance``). Further ahead, where nothing can judge the state, only a peer that
         averaged with us, or served us the state we took (so it was where we were, then:
@@ -296,7 +300,7 @@ class CatchUpMixin:
         self.state_digest, self.state_rounds = digest, tuple(state.rounds)
         self._digests[self.state_rounds] = digest
         self._publish_state(worker)  # serve what we now vouch for (the same bytes: the same digest)
-        self._caught_up, self._repair_due, self._repair_tries = True, False, 0
+        self._caught_up, self._in_step, self._repair_due, self._repair_tries = True, True, False, 0
         now = time.time()  # the donors were where this state is, as the bytes we checked show (wall time: see _plausibly_ahead)
         for donor in serving:
             self._anchors[public_key_from_peer_id(donor)] = (now, sum(state.rounds))

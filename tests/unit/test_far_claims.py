@@ -65,3 +65,78 @@ def test_a_heartbeat_with_another_count_of_fragments_is_not_believed(monkeypatch
     c = b"\x02" * 32
     node = Node({c: (1000.0, 10)})
     assert node._plausibly_ahead({c: b"d"}, {c: hb((10,))}, 1) == {}
+
+
+class Agreeing(CatchUpMixin):
+    """A node's catch-up check with the swarm's reads and downloads replaced: what it decides
+    to download from the heartbeats it reads."""
+
+    def __init__(self, reads, rounds):
+        me = b"\xee" * 32
+        self.identity = SimpleNamespace(public_key=me)
+        self.stats = SimpleNamespace(cycle_times=[0.5] * 30, rounds=list(rounds))
+        self.worker = SimpleNamespace(schedule=SimpleNamespace(inner_steps=20), outer=[None, None])
+        self._anchors, self._doubted, self._refused_claims, self._digests = {}, set(), set(), {}
+        self._trusted, self._peers, self._reads = frozenset(), {}, list(reads)
+        self._caught_up = self._in_step = self._repair_due = False
+        self.downloads: list = []
+        self.net = SimpleNamespace(call=lambda read, timeout: read)
+        self.presence = SimpleNamespace(peers=lambda run_id, ttl: self._reads.pop(0))
+        self.run_id = b"run"
+
+    def _update_peers(self, peers):
+        self._peers = dict(peers)
+
+    def _run_size(self):
+        return len(self._peers) + 1
+
+    def _served_ahead(self, swarm, keys, at_least):
+        return {}  # nobody answers the question at a join
+
+    def _harvest_published(self, wait_s=0.0):
+        pass
+
+    def _download(self, swarm, digest, **kw):
+        self.downloads.append(digest)
+        self._caught_up = self._in_step = True
+        return True
+
+
+SWARM = SimpleNamespace(heartbeat_ttl_s=10.0, state_chunk_timeout_s=1.0)
+
+
+def ahead_heartbeats(*keys, rounds=(40, 40), digest=b"theirs"):
+    return {k: SimpleNamespace(rounds=rounds, state_digest=digest) for k in keys}
+
+
+@pytest.mark.parametrize("first_read", ["empty", "split"])
+def test_a_node_resumed_from_an_old_checkpoint_believes_the_run_it_fell_behind(first_read):
+    """Found by CI under load: a peer killed and restarted from its checkpoint found, at its
+    join, a read that showed nobody (or two peers ahead that vouched for different states
+    while they landed). It then took itself for in step, judged the run 35 rounds ahead as a
+    stranger's far claim, and trained alone for five minutes. Until it has averaged with a
+    peer or taken a state, two vouchers bring it to the run, as at any join."""
+    a, b = b"\x01" * 32, b"\x02" * 32
+    join = {} if first_read == "empty" else {**ahead_heartbeats(a), **ahead_heartbeats(b, digest=b"landing")}
+    node = Agreeing([join], rounds=(3, 3))
+    node._check_agreement(SWARM, joining=True)
+    assert node.downloads == [] and not node._in_step
+    node._peers = ahead_heartbeats(a, b)  # later heartbeats: both at one state, 37 rounds ahead
+    node._check_agreement(SWARM)
+    assert node.downloads == [[a, b]]
+
+
+def test_a_node_in_step_still_refuses_strangers_far_ahead():
+    a, b, c = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+    node = Agreeing([ahead_heartbeats(c, rounds=(3, 3), digest=b"ours")], rounds=(3, 3))
+    node._check_agreement(SWARM, joining=True)  # the read shows a peer, none ahead: in step
+    assert node._in_step and node.downloads == []
+    node._peers = {**ahead_heartbeats(a, b, digest=b"zeros"), **ahead_heartbeats(c, rounds=(3, 3), digest=b"ours")}
+    node._check_agreement(SWARM)
+    assert node.downloads == []
+
+
+def test_the_first_peer_of_a_run_starts_in_step():
+    node = Agreeing([{}], rounds=(0, 0))
+    node._check_agreement(SWARM, joining=True)
+    assert node._in_step and node._caught_up
