@@ -87,6 +87,7 @@ class Finisher(SettleMixin):
         self.stop_event = threading.Event()
         self.state_server = SimpleNamespace(serving=False)
         self._partners: dict[bytes, float] = {}
+        self.matchmaker = SimpleNamespace(distrusted=set())
         self.presence = SimpleNamespace(peers=lambda run_id, ttl: None)
         self.net = SimpleNamespace(call=self._read)
         self.run_id = b"r"
@@ -153,3 +154,14 @@ def test_a_peer_that_averaged_with_us_lately_is_waited_for_until_a_read_shows_it
     with patch("peer.node.settle.SETTLE_POLL_S", 0.0):
         node._settle_copy(SWARM)
     assert node.reads == reads and node.asked == []
+
+
+def test_a_banned_peer_neither_votes_on_the_final_copy_nor_holds_us_back():
+    """Found by a review: a liar we banned still counted in the final vote (its smallest key
+    broke a tie toward its copy), and its heartbeats saying it was on its way held a
+    finisher to the deadline. A peer we stopped grouping with is out of the view."""
+    node = Finisher(B, b"Y", [{A: finished(b"X", 1), L: finished(b"Z", 1)}], serves={b"X", b"Z"})
+    node.matchmaker.distrusted = {L}
+    with patch("peer.node.settle.SETTLE_POLL_S", 0.0):
+        node._settle_copy(SWARM)
+    assert node.asked == [b"X"] and node.state_digest == b"X"  # the tie with A alone: A's key is smaller
