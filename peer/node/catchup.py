@@ -4,6 +4,7 @@ copy (averaged alone or cut off), and serves its own state to others."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -32,6 +33,7 @@ def download_s(swarm) -> float:
 
 
 DIGEST_HISTORY = 16  # of our latest landings whose digests a repair compares peers' heartbeats with
+STEADY_ROUNDS = 4  # of our latest rounds whose partners, at rounds near ours, outvote far-ahead claims
 PACE_ALLOWANCE = 2.0  # how much faster than our own rounds a peer that averaged with us may have gone on
 
 
@@ -64,6 +66,10 @@ class CatchUpMixin:
         else:  # between steps: the view _refresh_peers keeps without blocking (a heartbeat old at most)
             peers = dict(self._peers)
         peers.pop(self.identity.public_key, None)
+        # a peer we stopped grouping with (banned, or suspended by an audit) vouches for nothing;
+        # it still counts toward how many vouchers a claim needs (below)
+        live = dict(peers)
+        peers = {k: hb for k, hb in peers.items() if k not in self.matchmaker.distrusted}
         mine = min(self.stats.rounds, default=0)
         # behind by one round counts when joining, before our first download, or after we
         # averaged alone (we are the straggler); in lockstep, peers differ by one for a moment
@@ -71,7 +77,7 @@ class CatchUpMixin:
         ahead = {k: hb.state_digest for k, hb in peers.items()
                  if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
         if not joining and self._in_step:
-            ahead = self._plausibly_ahead(ahead, peers, mine)
+            ahead = self._plausibly_ahead(ahead, peers, mine, swarm.heartbeat_ttl_s)
         if joining and not ahead:
             # a heartbeat is up to two intervals old, and vouches for the last state its peer had
             # finished publishing: it may be rounds behind its peer (after a pause, the run went
@@ -83,7 +89,7 @@ class CatchUpMixin:
         # creator; one peer alone only in a swarm of two (globalstate.vouchers_needed). The
         # view counts peers whose heartbeat is still fresh: a short DHT read under load must not
         # shrink the swarm to two and let a lone liar be believed
-        need = vouchers_needed(max(len(self._peers.keys() | peers.keys()), self._run_size() - 1))
+        need = vouchers_needed(max(len(self._peers.keys() | live.keys()), self._run_size() - 1))
         choice = choose_digest(ahead, min_vouchers=need, trusted=self._trusted)
         claims = set(ahead.values()) - self._refused_claims
         if claims and choice is None:
@@ -137,7 +143,8 @@ class CatchUpMixin:
         self._repair_due, self._repair_tries = False, 0
         self._download(swarm, sorted(differ), fast_forward=True, min_donors=1)
 
-    def _plausibly_ahead(self, ahead: dict[bytes, bytes], peers: dict, mine: int) -> dict[bytes, bytes]:
+    def _plausibly_ahead(self, ahead: dict[bytes, bytes], peers: dict, mine: int,
+                         ttl_s: float = 0.0) -> dict[bytes, bytes]:
         """Of the peers whose heartbeats say they are ahead of our round ``mine`` (a node
         training in step: ``_in_step``), those whose claim fits what they showed us before. Up to
         PLAUSIBLE_ROUNDS_AHEAD rounds ahead, anyone's (the state must then lie near ours:
@@ -147,7 +154,11 @@ class CatchUpMixin:
         (``plausible_progress``; a joiner slower than the swarm in lockstep catches up again
         from its donors): two keys that never averaged
         with us, claiming 50 rounds and serving zeros, used to replace the model of every peer
-        that was training in step."""
+        that was training in step. And only if more of them vouch for one state than peers that
+        averaged with us within the last STEADY_ROUNDS rounds (or a heartbeat's life, ``ttl_s``)
+        show rounds near ours: those prove the swarm we average with is here, not far on, and
+        keys that averaged with us once and then waited (the allowance grows with time) must
+        outnumber them."""
         cycles = self.stats.cycle_times
         round_s = self.worker.schedule.inner_steps * statistics.median(cycles) if cycles and self.worker else 0.0
         # wall time: a monotonic clock stops while the OS is suspended, and a laptop that slept an
@@ -162,13 +173,24 @@ class CatchUpMixin:
                 out[k] = digest
             else:
                 doubted.append(k)
+        far = [k for k in out if min(peers[k].rounds, default=0) - mine > PLAUSIBLE_ROUNDS_AHEAD]
+        if far:
+            window = max(ttl_s, STEADY_ROUNDS * round_s)
+            steady = sum(1 for k, (at, _) in self._anchors.items()
+                         if k in peers and now - at <= window
+                         and abs(min(peers[k].rounds, default=0) - mine) <= PLAUSIBLE_ROUNDS_AHEAD)
+            if max(collections.Counter(out[k] for k in far).values()) <= steady:
+                for k in far:
+                    del out[k]
+                    doubted.append(k)
         fresh = [k for k in doubted if (k, sum(peers[k].rounds)) not in self._doubted]
         if fresh:
             if len(self._doubted) > 4096:
                 self._doubted.clear()  # at worst, a claim is logged again
             self._doubted |= {(k, sum(peers[k].rounds)) for k in fresh}  # said once per claim
             log.warning("not believing %d peer(s) that claim to be more than %d rounds ahead of round %d: none "
-                        "averaged with us lately at a pace that leads there (peers %s)", len(fresh),
+                        "averaged with us at a pace that leads there, or more peers that averaged with us lately "
+                        "are here (peers %s)", len(fresh),
                         PLAUSIBLE_ROUNDS_AHEAD, mine, ", ".join(peer_id_from_public_key(k) for k in fresh))
         return out
 

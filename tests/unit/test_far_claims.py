@@ -67,6 +67,32 @@ def test_a_heartbeat_with_another_count_of_fragments_is_not_believed(monkeypatch
     assert node._plausibly_ahead({c: b"d"}, {c: hb((10,))}, 1) == {}
 
 
+def test_keys_that_averaged_with_us_once_and_waited_are_outvoted_by_the_partners_here(monkeypatch):
+    """Found by a review: two keys that averaged with us once, then waited, could claim rounds
+    their allowance (which grows with time) let through, serve zeros, and be believed by
+    every peer they had met, though all of that peer's partners of the last rounds were at
+    its rounds. Such claims must now outnumber those partners."""
+    import peer.node.catchup as catchup
+
+    monkeypatch.setattr(catchup.time, "time", lambda: 10_000.0)
+    liars, partners = [bytes([k]) * 32 for k in (1, 2)], [bytes([k]) * 32 for k in (3, 4)]
+    anchors = {k: (1000.0, 10) for k in liars}  # met us 9000 s (900 of our rounds) ago
+    anchors |= {k: (9995.0, 1800) for k in partners}  # averaged with us 5 s ago, at our rounds
+    peers = {**{k: hb((1400, 1400)) for k in liars}, **{k: hb((901, 900)) for k in partners}}
+    ahead = {k: b"zeros" for k in liars}
+    assert Node(anchors)._plausibly_ahead(ahead, peers, 900, 10.0) == {}
+    # three keys with one claim outnumber the two partners
+    third = b"\x05" * 32
+    node = Node(anchors | {third: (1000.0, 10)})
+    assert set(node._plausibly_ahead({**ahead, third: b"zeros"}, {**peers, third: hb((1400, 1400))}, 900, 10.0)) \
+        == {*liars, third}
+    # partners met long ago, or now far ahead themselves (we fell behind them), do not count
+    stale = anchors | {k: (5000.0, 1800) for k in partners}
+    assert set(Node(stale)._plausibly_ahead(ahead, peers, 900, 10.0)) == set(liars)
+    moved = {**peers, **{k: hb((1400, 1400)) for k in partners}}
+    assert set(Node(anchors)._plausibly_ahead(ahead, moved, 900, 10.0)) == set(liars)
+
+
 class Agreeing(CatchUpMixin):
     """A node's catch-up check with the swarm's reads and downloads replaced: what it decides
     to download from the heartbeats it reads."""
@@ -78,6 +104,7 @@ class Agreeing(CatchUpMixin):
         self.worker = SimpleNamespace(schedule=SimpleNamespace(inner_steps=20), outer=[None, None])
         self._anchors, self._doubted, self._refused_claims, self._digests = {}, set(), set(), {}
         self._trusted, self._peers, self._reads = frozenset(), {}, list(reads)
+        self.matchmaker = SimpleNamespace(distrusted=set())
         self._caught_up = self._in_step = self._repair_due = False
         self.downloads: list = []
         self.net = SimpleNamespace(call=lambda read, timeout: read)
@@ -140,3 +167,14 @@ def test_the_first_peer_of_a_run_starts_in_step():
     node = Agreeing([{}], rounds=(0, 0))
     node._check_agreement(SWARM, joining=True)
     assert node._in_step and node._caught_up
+
+
+def test_a_peer_we_stopped_grouping_with_vouches_for_nothing():
+    a, b = b"\x01" * 32, b"\x02" * 32
+    node = Agreeing([ahead_heartbeats(a, b, rounds=(4, 4))], rounds=(3, 3))
+    node.matchmaker.distrusted = {b}
+    node._check_agreement(SWARM, joining=True)
+    assert node.downloads == []  # a alone: two vouchers are needed among three peers
+    node = Agreeing([ahead_heartbeats(a, b, rounds=(4, 4))], rounds=(3, 3))
+    node._check_agreement(SWARM, joining=True)
+    assert node.downloads == [[a, b]]
