@@ -8,9 +8,10 @@ dataclass registered here with a tag. Its bytes are one msgpack array::
 in field order. A type may end with fields that have defaults, and a sender may leave off
 any number of its last defaulted fields: so a field added at the end with a default is read
 from an older sender (the control socket's ``StatusReported`` grows this way, and a new
-dashboard reads an older node). Such a message decoded from a shorter array re-encodes
-longer, which is harmless because signatures and run IDs are computed over the bytes as
-received; types with a payload take no defaults.
+dashboard reads an older node). ``encode`` leaves off every trailing field that holds its
+default, so an older peer reads a newer one's message too whenever the new fields say nothing
+(a ``Heartbeat`` without bans). Signatures and run IDs are computed over the bytes as
+received, never over a re-encoding; types with a payload take no defaults.
 
 A message with a tensor payload (``PushSlice``, ``StateChunk``, ...) keeps the
 payload as its *last* field, always written as ``bin32``; the decoder does not copy it but
@@ -203,6 +204,8 @@ class _Schema:
     max_size: int
     required: int
     """Fields a sender must write; the rest (a tail with defaults) may be left off."""
+    defaults: tuple[Any, ...] = ()
+    """The default of each field from ``required`` on."""
 
 
 _BY_TAG: dict[int, _Schema] = {}
@@ -240,8 +243,11 @@ def message(tag: Tag, *, max_size: int | None = None) -> typing.Callable[[type],
         size = max_size or (MAX_FRAME_BYTES if payloads else SMALL_MESSAGE_BYTES)
         if size > (MAX_FRAME_BYTES if payloads else MAX_HEAD_BYTES):
             raise TypeError(f"{cls.__name__}: max_size {size} is over the decoder's limits")
+        fields = dataclasses.fields(cls)[len(names) if required is None else required:]
         schema = _Schema(cls, Tag(tag), tuple(names), tuple(rules), bool(payloads), size,
-                         len(names) if required is None else required)
+                         len(names) if required is None else required,
+                         tuple(f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                               for f in fields))
         _BY_TAG[int(tag)] = _BY_CLASS[cls] = schema
         cls.TAG, cls.MAX_SIZE, cls.HAS_PAYLOAD = schema.tag, size, schema.has_payload
         return cls
@@ -283,7 +289,12 @@ def encode_parts(msg: Message) -> tuple[bytes, bytes | bytearray | memoryview]:
     object, not a copy (b"" for types without one); write both parts to a stream as they are."""
     schema = _schema_of(type(msg))
     rules = schema.rules[:-1] if schema.has_payload else schema.rules
-    values = [rule.to_wire(getattr(msg, name)) for name, rule in zip(schema.names, rules)]
+    count = len(rules)
+    # trailing fields at their defaults are left off: a peer of an older version, which knows
+    # fewer fields, still reads the message whenever the newer fields say nothing
+    while count > schema.required and getattr(msg, schema.names[count - 1]) == schema.defaults[count - 1 - schema.required]:
+        count -= 1
+    values = [rule.to_wire(getattr(msg, name)) for name, rule in zip(schema.names[:count], rules[:count])]
     payload = getattr(msg, schema.names[-1]) if schema.has_payload else b""
     head = frame_head(schema.tag, values, len(payload) if schema.has_payload else None)
     if len(head) > MAX_HEAD_BYTES or len(head) + len(payload) > schema.max_size:

@@ -357,7 +357,8 @@ def status_reported(**change) -> StatusReported:
         peers=1, rounds_done=0, upload_bps=0.0, download_bps=0.0, uptime_s=1.0, device="cpu", reachability="direct",
         inner_step_s=0.25, progress=None, progress_label="", settings_path="", settings_toml="",
         tokens_contributed=0, fragments_contributed=0, fragments_alone=0, rounds_joined=0, steps_dropped=0,
-        join_address="swarmstream:" + "a" * 32 + "@/ip4/10.0.0.1/tcp/4001", total_steps=2000)
+        join_address="swarmstream:" + "a" * 32 + "@/ip4/10.0.0.1/tcp/4001", total_steps=2000,
+        awaiting_confirm=True, banned=("12D3KooW lied",))
     return StatusReported(**{**fields, **change})
 
 
@@ -368,10 +369,26 @@ def test_a_status_from_an_older_node_without_the_newer_fields_decodes_with_their
     assert array[at] == 2000
     old = msgpack.packb(array[:at], use_bin_type=True)  # what a node of the version before it sends
     back = decode(old, expect=StatusReported)
-    assert back == dataclasses.replace(new, total_steps=0)
+    assert back == dataclasses.replace(new, total_steps=0, awaiting_confirm=False, banned=())
     at = 2 + [f.name for f in dataclasses.fields(StatusReported)].index("join_address")
     older = msgpack.packb(array[:at], use_bin_type=True)  # and one from before join_address
-    assert decode(older, expect=StatusReported) == dataclasses.replace(new, join_address="", total_steps=0)
+    assert decode(older, expect=StatusReported) == dataclasses.replace(new, join_address="", total_steps=0,
+                                                                       awaiting_confirm=False, banned=())
+
+
+def test_fields_at_their_defaults_at_the_end_are_left_off_so_an_older_peer_reads_the_message():
+    """Found by a review: a heartbeat always carried its new list of bans, empty or not, and
+    a peer of the version before it (which knows one field fewer) refused every heartbeat."""
+    names = [f.name for f in dataclasses.fields(StatusReported)]
+    full = msgpack.unpackb(encode(status_reported()), use_list=True)
+    assert len(full) == 2 + len(names)
+    short = msgpack.unpackb(encode(status_reported(banned=(), awaiting_confirm=False)), use_list=True)
+    assert len(short) == 2 + names.index("awaiting_confirm")  # both trailing defaults left off
+    kept = msgpack.unpackb(encode(status_reported(awaiting_confirm=False)), use_list=True)
+    assert len(kept) == len(full)  # a default before a field that says something is written
+    assert len(msgpack.unpackb(encode(heartbeat()))) == 2 + len(dataclasses.fields(Heartbeat)) - 1  # no bans: no list
+    for msg in (status_reported(banned=(), awaiting_confirm=False), status_reported(awaiting_confirm=False), heartbeat()):
+        assert decode(encode(msg)) == msg
 
 
 def test_a_heartbeat_lists_its_bans_and_one_from_before_the_list_decodes_with_none():
