@@ -82,7 +82,7 @@ class PeersMixin:
     def _ban_list(self) -> tuple[bytes, ...]:
         """The keys we banned for a proven lie, our latest first, as our heartbeat lists them."""
         bans = self.bans.items() if self.bans is not None else []
-        return tuple(public_key_from_peer_id(b.peer_id) for b in reversed(bans))[:MAX_HEARTBEAT_BANS]
+        return tuple(public_key_from_peer_id(b.peer_id) for b in list(reversed(bans))[:MAX_HEARTBEAT_BANS])
 
     def _hand_over_bans(self, swarm) -> None:
         """Live peers whose heartbeats do not list a ban we hold proof for get the proof, a
@@ -92,8 +92,10 @@ class PeersMixin:
         audits = getattr(self.averager, "audits", None)
         if not ours or audits is None:
             return
+        # a full list shows only a peer's latest bans: what it leaves out, it may hold already
         lacking = [(peer_id_from_public_key(k), key) for k, hb in self._peers.items()
-                   if hb.state != "leaving" for key in ours if key != k and key not in hb.banned]
+                   if hb.state != "leaving" and len(hb.banned) < MAX_HEARTBEAT_BANS
+                   for key in ours if key != k and key not in hb.banned]
         if lacking:
             partners = frozenset(peer_id_from_public_key(k) for k in self._partners)
             self.net.submit(audits.gossip(lacking, BAN_FANOUT, swarm.allreduce_timeout_s, prefer=partners))
