@@ -4,7 +4,6 @@ copy (averaged alone or cut off), and serves its own state to others."""
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -154,7 +153,8 @@ class CatchUpMixin:
         (``plausible_progress``; a joiner slower than the swarm in lockstep catches up again
         from its donors): two keys that never averaged
         with us, claiming 50 rounds and serving zeros, used to replace the model of every peer
-        that was training in step. And only if more of them vouch for one state than peers that
+        that was training in step. And only if more peers claim so (whatever state each vouches
+        for: in a swarm larger than a group, groups far on land different copies) than peers that
         averaged with us within the last STEADY_ROUNDS rounds (or a heartbeat's life, ``ttl_s``)
         show rounds near ours: those prove the swarm we average with is here, not far on, and
         keys that averaged with us once and then waited (the allowance grows with time) must
@@ -179,7 +179,7 @@ class CatchUpMixin:
             steady = sum(1 for k, (at, _) in self._anchors.items()
                          if k in peers and now - at <= window
                          and abs(min(peers[k].rounds, default=0) - mine) <= PLAUSIBLE_ROUNDS_AHEAD)
-            if max(collections.Counter(out[k] for k in far).values()) <= steady:
+            if len(far) <= steady:  # all of them, not per state: groups far on land different copies
                 for k in far:
                     del out[k]
                     doubted.append(k)
