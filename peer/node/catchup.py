@@ -32,6 +32,8 @@ def download_s(swarm) -> float:
 
 
 DIGEST_HISTORY = 16  # of our latest landings whose digests a repair compares peers' heartbeats with
+IN_STEP_ROUNDS = 10  # of our rounds without averaging with a peer after which we judge claims as a joiner
+IN_STEP_MIN_S = 120.0
 STEADY_ROUNDS = 4  # of our latest rounds whose partners, at rounds near ours, outvote far-ahead claims
 PACE_ALLOWANCE = 2.0  # how much faster than our own rounds a peer that averaged with us may have gone on
 
@@ -65,22 +67,26 @@ class CatchUpMixin:
         else:  # between steps: the view _refresh_peers keeps without blocking (a heartbeat old at most)
             peers = dict(self._peers)
         peers.pop(self.identity.public_key, None)
-        # a peer we stopped grouping with (banned, or suspended by an audit) vouches for nothing;
-        # it still counts toward how many vouchers a claim needs (below)
+        # a peer we banned (a proven lie) vouches for nothing; it still counts toward how many
+        # vouchers a claim needs (below). One suspended (an audit unanswered, which proves
+        # nothing: a peer under load) still does
         live = dict(peers)
-        peers = {k: hb for k, hb in peers.items() if k not in self.matchmaker.distrusted}
+        peers = {k: hb for k, hb in peers.items() if not self.matchmaker.distrusted.banned(k)}
+        in_step = self._in_step()
         mine = min(self.stats.rounds, default=0)
         # behind by one round counts when joining, before our first download, or after we
         # averaged alone (we are the straggler); in lockstep, peers differ by one for a moment
         lag = 1 if joining or not self._caught_up or self._repair_due else 2
         ahead = {k: hb.state_digest for k, hb in peers.items()
                  if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
-        if not joining and self._in_step:
+        if in_step:  # also when we resume from a pause: a pause is no join
             ahead = self._plausibly_ahead(ahead, peers, mine, swarm.heartbeat_ttl_s)
-        if joining and not ahead:
+        if joining and not ahead and not in_step:
             # a heartbeat is up to two intervals old, and vouches for the last state its peer had
             # finished publishing: it may be rounds behind its peer (after a pause, the run went
-            # on), so ask the peers furthest on what they serve now
+            # on), so ask the peers furthest on what they serve now. Not when we are in step
+            # (back from a short pause): their heartbeats show where they are within two
+            # intervals, and what a peer serves is not judged by what it showed us before
             latest = sorted((k for k, hb in peers.items() if hb.state_digest),
                             key=lambda k: -min(peers[k].rounds, default=0))[:ASKED_AT_JOIN]
             ahead = self._served_ahead(swarm, latest, mine + lag)
@@ -104,7 +110,8 @@ class CatchUpMixin:
             # in step for far-ahead claims only if the read showed the swarm, or we start the run:
             # a read can come back short under load, and a node resumed from a checkpoint that
             # took an empty one for the swarm would never believe the run it fell behind
-            self._in_step = self._in_step or bool(peers) or not any(self.stats.rounds)
+            if peers or not any(self.stats.rounds):
+                self._in_step_at = time.time()
         # a repair compares the digest of the copy we hold: wait for its publish (a landing
         # hashes one fragment; a lone landing after it would leave that digest behind unread)
         self._harvest_published(wait_s=swarm.state_chunk_timeout_s if self._repair_due else 0.0)
@@ -142,6 +149,21 @@ class CatchUpMixin:
         self._repair_due, self._repair_tries = False, 0
         self._download(swarm, sorted(differ), fast_forward=True, min_donors=1)
 
+    def _round_s(self) -> float:
+        """Our time per round (0 before we know it)."""
+        cycles = self.stats.cycle_times
+        return self.worker.schedule.inner_steps * statistics.median(cycles) if cycles and self.worker else 0.0
+
+    def _in_step(self) -> bool:
+        """Whether we know we are in step with the swarm: we averaged with a peer, took its
+        state, or saw peers and nobody ahead at our join (or started the run), within the last
+        IN_STEP_ROUNDS of our rounds (at least IN_STEP_MIN_S; wall time, which goes on in a
+        pause and in OS suspend). Then a claim to be far ahead must fit what its peer showed us
+        before (``_plausibly_ahead``); otherwise it is judged as at a join, by two vouchers: a
+        node resumed from a checkpoint has no anchors, and after a long pause the peers may
+        all be new, and either would never believe the run it fell behind."""
+        return time.time() - self._in_step_at <= max(IN_STEP_MIN_S, IN_STEP_ROUNDS * self._round_s())
+
     def _plausibly_ahead(self, ahead: dict[bytes, bytes], peers: dict, mine: int,
                          ttl_s: float = 0.0) -> dict[bytes, bytes]:
         """Of the peers whose heartbeats say they are ahead of our round ``mine`` (a node
@@ -159,8 +181,7 @@ class CatchUpMixin:
         show rounds near ours: those prove the swarm we average with is here, not far on, and
         keys that averaged with us once and then waited (the allowance grows with time) must
         outnumber them."""
-        cycles = self.stats.cycle_times
-        round_s = self.worker.schedule.inner_steps * statistics.median(cycles) if cycles and self.worker else 0.0
+        round_s = self._round_s()
         # wall time: a monotonic clock stops while the OS is suspended, and a laptop that slept an
         # hour would find the swarm far ahead with no time passed, and refuse to catch up
         now, out, doubted = time.time(), {}, []
@@ -168,12 +189,13 @@ class CatchUpMixin:
             rounds = tuple(peers[k].rounds)
             if len(rounds) != len(self.worker.outer):  # not this run's fragments: its sums mean nothing
                 doubted.append(k)
-            elif min(rounds, default=0) - mine <= PLAUSIBLE_ROUNDS_AHEAD or \
+            elif k in self._trusted or min(rounds, default=0) - mine <= PLAUSIBLE_ROUNDS_AHEAD or \
                     plausible_progress(self._anchors.get(k), sum(rounds), len(rounds), now, round_s):
                 out[k] = digest
             else:
                 doubted.append(k)
-        far = [k for k in out if min(peers[k].rounds, default=0) - mine > PLAUSIBLE_ROUNDS_AHEAD]
+        far = [k for k in out if min(peers[k].rounds, default=0) - mine > PLAUSIBLE_ROUNDS_AHEAD
+               and k not in self._trusted]  # the run's creator: its word on the state is enough
         if far:
             window = max(ttl_s, STEADY_ROUNDS * round_s)
             steady = sum(1 for k, (at, _) in self._anchors.items()
@@ -322,7 +344,8 @@ class CatchUpMixin:
         self.state_digest, self.state_rounds = digest, tuple(state.rounds)
         self._digests[self.state_rounds] = digest
         self._publish_state(worker)  # serve what we now vouch for (the same bytes: the same digest)
-        self._caught_up, self._in_step, self._repair_due, self._repair_tries = True, True, False, 0
+        self._caught_up, self._repair_due, self._repair_tries = True, False, 0
+        self._in_step_at = time.time()
         now = time.time()  # the donors were where this state is, as the bytes we checked show (wall time: see _plausibly_ahead)
         for donor in serving:
             self._anchors[public_key_from_peer_id(donor)] = (now, sum(state.rounds))

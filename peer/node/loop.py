@@ -185,11 +185,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             self._anchors: dict[bytes, tuple[float, int]] = {}  # key -> (when, wall time; our rounds' sum) it last averaged with us
             self._doubted: set[tuple[bytes, int]] = set()  # (key, rounds' sum) of far-ahead claims we did not believe
             self._caught_up = False  # joined the swarm's state (or found nobody ahead); until then lag 1
-            # in step with the swarm, as far as we know: we took its state, averaged with a peer, saw
-            # nobody ahead in a read that showed peers, or started the run. Until then a claim to be
-            # far ahead is judged as at a join (two vouchers), not by _anchors: a node resumed from an
-            # old checkpoint has none, and would never believe the run it fell behind
-            self._in_step = False
+            self._in_step_at = -math.inf  # wall time we last knew it (CatchUpMixin._in_step)
             self._sync_started_at: list[int] = []  # step of each fragment's latest contribution
             self._clock = SwarmClock(swarm.heartbeat_interval_s, train.tokens_per_step())  # the swarm's pace (peer.pace)
             self._maddrs = self.net.visible_maddrs()

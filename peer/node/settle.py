@@ -88,11 +88,12 @@ class SettleMixin:
         began = time.monotonic()
         deadline, limit = settle_limits(swarm, began)
         me = self.identity.public_key
-        distrusted = self.matchmaker.distrusted  # a peer we stopped grouping with neither votes nor holds us back
+        banned = self.matchmaker.distrusted.banned  # a peer proven to lie neither votes nor holds us back (one
+        # suspended for an unanswered audit, which proves nothing, still does)
         view: dict[bytes, tuple[Any, float]] = {k: (hb, began) for k, hb in self._peers.items()
-                                                if k != me and k not in distrusted}
+                                                if k != me and not banned(k)}
         for k, at in self._partners.items():  # averaged with us lately: on its way until it shows otherwise
-            if k not in view and k != me and k not in distrusted:
+            if k not in view and k != me and not banned(k):
                 view[k] = (None, at)
         heard: set[bytes] = set()  # peers whose heartbeat changed since we began
         taken, tries = 0, 0  # holders of the copy we last took (none yet), and tries at the target
@@ -110,7 +111,7 @@ class SettleMixin:
                 log.info("could not read the peers to compare final copies reason=%r", e)
                 read = None
             for k, hb in (read or {}).items():
-                if k == me or k in distrusted:
+                if k == me or banned(k):
                     continue
                 if k in view and view[k][0] is not None and hb.sent_at != view[k][0].sent_at:
                     heard.add(k)

@@ -330,7 +330,7 @@ class SyncMixin:
                 self._partners[key] = now  # dropped too: one late to us may be in its last round still
                 if i not in outcome.dropped:
                     self._anchors[key] = (time.time(), sum(self.stats.rounds))  # where it was (wall time: catchup)
-                    self._in_step = True  # we averaged this round with a peer: the swarm's rounds are ours
+                    self._in_step_at = time.time()  # we averaged this round with a peer: in step
             if len(self._anchors) > MAX_ANCHORS:  # the ones we met longest ago go first
                 for key, _ in sorted(self._anchors.items(), key=lambda kv: kv[1][0])[:len(self._anchors) - MAX_ANCHORS]:
                     del self._anchors[key]

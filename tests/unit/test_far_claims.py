@@ -5,10 +5,13 @@ an adversarial review: two keys that never averaged with anyone, claiming 50 rou
 serving one state of zeros, made every peer training in step download it."""
 
 import logging
+import math
+import time
 from types import SimpleNamespace
 
 import pytest
 
+from peer.distrust import Distrust
 from peer.node.catchup import CatchUpMixin, plausible_progress
 
 ROUND_S = 10.0  # our time per round
@@ -34,7 +37,7 @@ class Node(CatchUpMixin):
     def __init__(self, anchors):
         self.stats = SimpleNamespace(cycle_times=[0.5] * 30)
         self.worker = SimpleNamespace(schedule=SimpleNamespace(inner_steps=20), outer=[None, None])  # a round: 10 s
-        self._anchors, self._doubted = anchors, set()
+        self._anchors, self._doubted, self._trusted = anchors, set(), frozenset()
 
 
 def hb(rounds):
@@ -105,8 +108,9 @@ class Agreeing(CatchUpMixin):
         self.worker = SimpleNamespace(schedule=SimpleNamespace(inner_steps=20), outer=[None, None])
         self._anchors, self._doubted, self._refused_claims, self._digests = {}, set(), set(), {}
         self._trusted, self._peers, self._reads = frozenset(), {}, list(reads)
-        self.matchmaker = SimpleNamespace(distrusted=set())
-        self._caught_up = self._in_step = self._repair_due = False
+        self.matchmaker = SimpleNamespace(distrusted=Distrust())
+        self._caught_up = self._repair_due = False
+        self._in_step_at = -math.inf
         self.downloads: list = []
         self.net = SimpleNamespace(call=lambda read, timeout: read)
         self.presence = SimpleNamespace(peers=lambda run_id, ttl: self._reads.pop(0))
@@ -126,7 +130,7 @@ class Agreeing(CatchUpMixin):
 
     def _download(self, swarm, digest, **kw):
         self.downloads.append(digest)
-        self._caught_up = self._in_step = True
+        self._caught_up, self._in_step_at = True, time.time()
         return True
 
 
@@ -148,7 +152,7 @@ def test_a_node_resumed_from_an_old_checkpoint_believes_the_run_it_fell_behind(f
     join = {} if first_read == "empty" else {**ahead_heartbeats(a), **ahead_heartbeats(b, digest=b"landing")}
     node = Agreeing([join], rounds=(3, 3))
     node._check_agreement(SWARM, joining=True)
-    assert node.downloads == [] and not node._in_step
+    assert node.downloads == [] and not node._in_step()
     node._peers = ahead_heartbeats(a, b)  # later heartbeats: both at one state, 37 rounds ahead
     node._check_agreement(SWARM)
     assert node.downloads == [[a, b]]
@@ -158,7 +162,7 @@ def test_a_node_in_step_still_refuses_strangers_far_ahead():
     a, b, c = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
     node = Agreeing([ahead_heartbeats(c, rounds=(3, 3), digest=b"ours")], rounds=(3, 3))
     node._check_agreement(SWARM, joining=True)  # the read shows a peer, none ahead: in step
-    assert node._in_step and node.downloads == []
+    assert node._in_step() and node.downloads == []
     node._peers = {**ahead_heartbeats(a, b, digest=b"zeros"), **ahead_heartbeats(c, rounds=(3, 3), digest=b"ours")}
     node._check_agreement(SWARM)
     assert node.downloads == []
@@ -167,15 +171,66 @@ def test_a_node_in_step_still_refuses_strangers_far_ahead():
 def test_the_first_peer_of_a_run_starts_in_step():
     node = Agreeing([{}], rounds=(0, 0))
     node._check_agreement(SWARM, joining=True)
-    assert node._in_step and node._caught_up
+    assert node._in_step() and node._caught_up
 
 
 def test_a_peer_we_stopped_grouping_with_vouches_for_nothing():
     a, b = b"\x01" * 32, b"\x02" * 32
     node = Agreeing([ahead_heartbeats(a, b, rounds=(4, 4))], rounds=(3, 3))
-    node.matchmaker.distrusted = {b}
+    node.matchmaker.distrusted.ban(b)
     node._check_agreement(SWARM, joining=True)
     assert node.downloads == []  # a alone: two vouchers are needed among three peers
     node = Agreeing([ahead_heartbeats(a, b, rounds=(4, 4))], rounds=(3, 3))
+    node._check_agreement(SWARM, joining=True)
+    assert node.downloads == [[a, b]]
+
+
+def test_back_from_a_pause_a_node_in_step_still_refuses_strangers_far_ahead_and_asks_nobody_else():
+    """Found by a review: a resume from a pause read the swarm as a join does, and took any two
+    keys' far claim (or what they served) at once. A pause is no join: within IN_STEP_ROUNDS
+    of our rounds the anchors still judge, and they let the partners we had through."""
+    a, b, partner, other = (bytes([k]) * 32 for k in (1, 2, 3, 4))
+    node = Agreeing([{**ahead_heartbeats(a, b, digest=b"zeros")}], rounds=(3, 3))
+    node._in_step_at = time.time() - 5
+    node._served_ahead = lambda *a: pytest.fail("asked what strangers serve")
+    node._check_agreement(SWARM, joining=True)
+    assert node.downloads == []
+    node = Agreeing([{**ahead_heartbeats(partner, other)}], rounds=(3, 3))
+    node._in_step_at = time.time() - 5
+    node._anchors = {partner: (time.time() - 600, 6), other: (time.time() - 600, 6)}  # 10 min ago, at our rounds
+    node._check_agreement(SWARM, joining=True)
+    assert node.downloads == [[partner, other]]
+
+
+def test_a_node_that_averaged_with_nobody_for_long_judges_claims_as_a_joiner():
+    """After IN_STEP_ROUNDS of our rounds (at least IN_STEP_MIN_S) without averaging with a
+    peer, the peers may all be new (a long pause, a run that turned over): two vouchers
+    bring us to them, as at a join."""
+    import peer.node.catchup as catchup
+
+    a, b = b"\x01" * 32, b"\x02" * 32
+    node = Agreeing([{}], rounds=(3, 3))
+    node._in_step_at = time.time() - catchup.IN_STEP_MIN_S - 1  # round_s here is 10 s: 10 rounds < 120 s
+    node._peers = ahead_heartbeats(a, b)
+    node._check_agreement(SWARM)
+    assert node.downloads == [[a, b]]
+
+
+def test_the_runs_creator_is_believed_far_ahead_alone():
+    creator, partner = b"\x01" * 32, b"\x03" * 32
+    node = Agreeing([{}], rounds=(3, 3))
+    node._trusted = frozenset({creator})
+    node._in_step_at = time.time()
+    node._anchors = {partner: (time.time(), 6)}
+    node._peers = {**ahead_heartbeats(creator), **ahead_heartbeats(partner, rounds=(3, 3), digest=b"ours")}
+    node._check_agreement(SWARM)
+    assert node.downloads == [[creator]]
+
+
+def test_a_suspended_peer_still_vouches_only_a_banned_one_does_not():
+    """A suspension is for an audit left unanswered, which proves nothing (a peer under load)."""
+    a, b = b"\x01" * 32, b"\x02" * 32
+    node = Agreeing([ahead_heartbeats(a, b, rounds=(4, 4))], rounds=(3, 3))
+    node.matchmaker.distrusted.suspend(b)
     node._check_agreement(SWARM, joining=True)
     assert node.downloads == [[a, b]]

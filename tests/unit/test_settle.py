@@ -8,6 +8,8 @@ from unittest.mock import patch
 
 import pytest
 
+from peer.distrust import Distrust
+
 from peer.node.catchup import download_s
 from peer.node.settle import SettleMixin, final_vote, settle_limits
 
@@ -87,7 +89,7 @@ class Finisher(SettleMixin):
         self.stop_event = threading.Event()
         self.state_server = SimpleNamespace(serving=False)
         self._partners: dict[bytes, float] = {}
-        self.matchmaker = SimpleNamespace(distrusted=set())
+        self.matchmaker = SimpleNamespace(distrusted=Distrust())
         self.presence = SimpleNamespace(peers=lambda run_id, ttl: None)
         self.net = SimpleNamespace(call=self._read)
         self.run_id = b"r"
@@ -161,7 +163,18 @@ def test_a_banned_peer_neither_votes_on_the_final_copy_nor_holds_us_back():
     broke a tie toward its copy), and its heartbeats saying it was on its way held a
     finisher to the deadline. A peer we stopped grouping with is out of the view."""
     node = Finisher(B, b"Y", [{A: finished(b"X", 1), L: finished(b"Z", 1)}], serves={b"X", b"Z"})
-    node.matchmaker.distrusted = {L}
+    node.matchmaker.distrusted.ban(L)
     with patch("peer.node.settle.SETTLE_POLL_S", 0.0):
         node._settle_copy(SWARM)
     assert node.asked == [b"X"] and node.state_digest == b"X"  # the tie with A alone: A's key is smaller
+
+
+def test_a_suspended_peer_still_votes_on_the_final_copy():
+    """Found by a review: leaving out a holder we had suspended (an unanswered audit, which
+    proves nothing) turned a 2-1 vote into a tie that our smaller key kept, and the run ended
+    on two copies."""
+    node = Finisher(A, b"X", [{B: finished(b"Y", 1), C: finished(b"Y", 1)}], serves={b"Y"})
+    node.matchmaker.distrusted.suspend(B)
+    with patch("peer.node.settle.SETTLE_POLL_S", 0.0):
+        node._settle_copy(SWARM)
+    assert node.asked == [b"Y"] and node.state_digest == b"Y"
