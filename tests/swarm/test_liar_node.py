@@ -75,13 +75,11 @@ COMBINATIONS = {
                                        (all, "not grouping with peer")],
     # pushes of 1e30, each 256 elements short and sent with the previous round's, and another
     # mean to one member than to the others: the short chunk, off the grid, drops it at once
-    # (the old group's frames are dropped quietly); members see they hold different means of one
-    # part, and its signed means prove it lied to every member, who all fall back on that part
-    # and ban it: by the two different means, or by the one sent to a member that its committed
-    # inputs cannot give (whichever proof a member checks first: both are sound, and which
-    # comes first is a race between the witnesses)
+    # (the old group's frames are dropped quietly), and its signed means prove it lied to every
+    # member, who all fall back on that part and ban it: by the two different means, or by the
+    # one sent to a member that its committed inputs cannot give (whichever proof a member
+    # checks first: both are sound, and which comes first is a race between the witnesses)
     "lie:push1e30+short+replay+equivocate": [(any, "is not on the run's grid"),
-                                             (any, "members hold different means of one part"),
                                              (all, "banned peer={liar} reason=SliceAveraged: ")],
 }
 
