@@ -79,9 +79,10 @@ class CatchUpMixin:
         lag = 1 if joining or not self._caught_up or self._repair_due else 2
         ahead = {k: hb.state_digest for k, hb in peers.items()
                  if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
+        claimed = bool(ahead)  # before we doubt any: doubted claims are no sign that nobody is ahead
         if in_step:  # also when we resume from a pause: a pause is no join
             ahead = self._plausibly_ahead(ahead, peers, mine, swarm.heartbeat_ttl_s)
-        if joining and not ahead and not in_step:
+        if joining and not claimed and not in_step:
             # a heartbeat is up to two intervals old, and vouches for the last state its peer had
             # finished publishing: it may be rounds behind its peer (after a pause, the run went
             # on), so ask the peers furthest on what they serve now. Not when we are in step
@@ -105,7 +106,7 @@ class CatchUpMixin:
             log.info("peers are ahead of round %d; downloading their state", mine)
             self._download(swarm, choice[1], fast_forward=True, min_donors=need)
             return
-        if joining and not ahead:
+        if joining and not ahead and not claimed:
             self._caught_up = True  # nobody is ahead of us: we start in step with the swarm
             # in step for far-ahead claims only if the read showed the swarm, or we start the run:
             # a read can come back short under load, and a node resumed from a checkpoint that
@@ -162,6 +163,8 @@ class CatchUpMixin:
         before (``_plausibly_ahead``); otherwise it is judged as at a join, by two vouchers: a
         node resumed from a checkpoint has no anchors, and after a long pause the peers may
         all be new, and either would never believe the run it fell behind."""
+        if self.identity.public_key in self._trusted:
+            return True  # the creator: every peer believes its state alone, so nobody may replace it
         return time.time() - self._in_step_at <= max(IN_STEP_MIN_S, IN_STEP_ROUNDS * self._round_s())
 
     def _plausibly_ahead(self, ahead: dict[bytes, bytes], peers: dict, mine: int,
@@ -198,8 +201,10 @@ class CatchUpMixin:
                and k not in self._trusted]  # the run's creator: its word on the state is enough
         if far:
             window = max(ttl_s, STEADY_ROUNDS * round_s)
+            # partners of before our last pause do not count: peers that paused with us would
+            # outvote the ones that went on, and we would train apart from them for good
             steady = sum(1 for k, (at, _) in self._anchors.items()
-                         if k in peers and now - at <= window
+                         if k in peers and now - at <= window and at > self._paused_at
                          and abs(min(peers[k].rounds, default=0) - mine) <= PLAUSIBLE_ROUNDS_AHEAD)
             if len(far) <= steady:  # all of them, not per state: groups far on land different copies
                 for k in far:

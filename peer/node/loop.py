@@ -186,6 +186,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             self._doubted: set[tuple[bytes, int]] = set()  # (key, rounds' sum) of far-ahead claims we did not believe
             self._caught_up = False  # joined the swarm's state (or found nobody ahead); until then lag 1
             self._in_step_at = -math.inf  # wall time we last knew it (CatchUpMixin._in_step)
+            self._paused_at = -math.inf  # wall time our last pause began
             self._sync_started_at: list[int] = []  # step of each fragment's latest contribution
             self._clock = SwarmClock(swarm.heartbeat_interval_s, train.tokens_per_step())  # the swarm's pace (peer.pace)
             self._maddrs = self.net.visible_maddrs()
@@ -226,6 +227,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
         for sync in pipeline.drain():
             self._land(sync, swarm)
         self._release_worker()
+        self._paused_at = time.time()
         self.state = "paused"
         log.info("paused reason=%s", self._pause_reason)
         self._wake.clear()

@@ -38,6 +38,7 @@ class Node(CatchUpMixin):
         self.stats = SimpleNamespace(cycle_times=[0.5] * 30)
         self.worker = SimpleNamespace(schedule=SimpleNamespace(inner_steps=20), outer=[None, None])  # a round: 10 s
         self._anchors, self._doubted, self._trusted = anchors, set(), frozenset()
+        self._paused_at = -math.inf
 
 
 def hb(rounds):
@@ -110,7 +111,7 @@ class Agreeing(CatchUpMixin):
         self._trusted, self._peers, self._reads = frozenset(), {}, list(reads)
         self.matchmaker = SimpleNamespace(distrusted=Distrust())
         self._caught_up = self._repair_due = False
-        self._in_step_at = -math.inf
+        self._in_step_at = self._paused_at = -math.inf
         self.downloads: list = []
         self.net = SimpleNamespace(call=lambda read, timeout: read)
         self.presence = SimpleNamespace(peers=lambda run_id, ttl: self._reads.pop(0))
@@ -234,3 +235,37 @@ def test_a_suspended_peer_still_vouches_only_a_banned_one_does_not():
     node.matchmaker.distrusted.suspend(b)
     node._check_agreement(SWARM, joining=True)
     assert node.downloads == [[a, b]]
+
+
+def test_doubted_claims_at_a_resume_do_not_renew_in_step():
+    """Found by a review: a resume whose far claims were all doubted took the branch for
+    "nobody ahead" and renewed in step, so a volunteer pausing every few minutes never
+    caught up with peers it had no anchors for."""
+    a, b = b"\x01" * 32, b"\x02" * 32
+    node = Agreeing([ahead_heartbeats(a, b)], rounds=(3, 3))
+    node._in_step_at = since = time.time() - 100
+    node._check_agreement(SWARM, joining=True)
+    assert node.downloads == [] and node._in_step_at == since and not node._caught_up
+
+
+def test_partners_that_paused_with_us_do_not_outvote_the_ones_that_went_on():
+    """Found by a review: three of five peers paused together for a few rounds; at the resume
+    their anchors of just before the pause counted as partners here, outvoted the two that
+    went on, and the three trained apart from them for good."""
+    went_on, paused_with = [bytes([k]) * 32 for k in (1, 2)], [bytes([k]) * 32 for k in (3, 4)]
+    now = time.time()
+    node = Agreeing([{**ahead_heartbeats(*went_on, rounds=(7, 7)), **ahead_heartbeats(*paused_with, rounds=(3, 3), digest=b"ours")}],
+                    rounds=(3, 3))
+    node._anchors = {k: (now - 30, 6) for k in went_on + paused_with}
+    node._in_step_at, node._paused_at = now - 30, now - 25
+    node._check_agreement(SWARM, joining=True)
+    assert node.downloads == [went_on]
+
+
+def test_the_runs_creator_stays_in_step_alone():
+    """Every peer believes the creator's state alone: if two strangers could replace the
+    creator's model once it had trained alone a while, they would replace everyone's."""
+    me = b"\xee" * 32
+    node = Agreeing([{}], rounds=(3, 3))
+    node._trusted = frozenset({me})
+    assert node._in_step()
