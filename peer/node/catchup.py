@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import statistics
 import time
 
@@ -163,8 +164,10 @@ class CatchUpMixin:
         before (``_plausibly_ahead``); otherwise it is judged as at a join, by two vouchers: a
         node resumed from a checkpoint has no anchors, and after a long pause the peers may
         all be new, and either would never believe the run it fell behind."""
-        if self.identity.public_key in self._trusted:
-            return True  # the creator: every peer believes its state alone, so nobody may replace it
+        if self.identity.public_key in self._trusted and self._in_step_at > -math.inf:
+            # the creator, once in step in this process (a restarted one catches up as a joiner
+            # does): every peer believes its state alone, so nobody may replace it
+            return True
         return time.time() - self._in_step_at <= max(IN_STEP_MIN_S, IN_STEP_ROUNDS * self._round_s())
 
     def _plausibly_ahead(self, ahead: dict[bytes, bytes], peers: dict, mine: int,

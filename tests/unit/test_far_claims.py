@@ -268,4 +268,17 @@ def test_the_runs_creator_stays_in_step_alone():
     me = b"\xee" * 32
     node = Agreeing([{}], rounds=(3, 3))
     node._trusted = frozenset({me})
+    assert not node._in_step()  # restarted: it catches up as a joiner does (found by CI: it never did)
+    node._in_step_at = time.time() - 10_000
     assert node._in_step()
+
+
+def test_a_restarted_creator_catches_up_with_the_peer_that_went_on():
+    """Found by CI: the run's creator, killed and restarted (its bootstrap peer back at the
+    same address), took itself to be in step as the creator always was, had no anchors in
+    its new process, and refused the one peer that had gone on: they trained apart."""
+    me, other = b"\xee" * 32, b"\x01" * 32
+    node = Agreeing([ahead_heartbeats(other, rounds=(30, 30))], rounds=(0, 0))
+    node._trusted = frozenset({me})
+    node._check_agreement(SWARM, joining=True)
+    assert node.downloads == [[other]]  # a swarm of two: one voucher
