@@ -353,8 +353,8 @@ class CatchUpMixin:
         self._digests[self.state_rounds] = digest
         self._publish_state(worker)  # serve what we now vouch for (the same bytes: the same digest)
         self._caught_up, self._repair_due, self._repair_tries = True, False, 0
-        self._in_step_at = time.time()
-        now = time.time()  # the donors were where this state is, as the bytes we checked show (wall time: see _plausibly_ahead)
+        # the donors were where this state is, as the bytes we checked show (wall time: see _plausibly_ahead)
+        now = self._in_step_at = time.time()
         for donor in serving:
             self._anchors[public_key_from_peer_id(donor)] = (now, sum(state.rounds))
         if fast_forward:

@@ -315,22 +315,21 @@ class SyncMixin:
             self.stats.bytes_received += outcome.bytes_received
             self.stats.dropped_peers += len(outcome.dropped)
             self.stats.allreduce_s.append(outcome.elapsed_s)
-            cycles = self.stats.cycle_times
-            round_s = self.worker.schedule.inner_steps * (statistics.median(cycles) if cycles else 0.0)
+            round_s = self._round_s()
             sync = self.signed.manifest.train.sync
             if sync.follow and self._clock.kept_waiting(outcome.kept_waiting_s, round_s, late_share=sync.late_share):
                 log.info("our group waited %.1f s for our part: slower than the swarm, following its rounds",
                          outcome.kept_waiting_s)
             size = result[1]
-            now = time.monotonic()  # the members that averaged with us: the run's end waits for them (peer.node.settle)
+            now, wall = time.monotonic(), time.time()  # the members that averaged with us: the run's end waits for them (peer.node.settle)
             self._partners = {k: t for k, t in self._partners.items() if now - t <= swarm.heartbeat_ttl_s}
             for i, key in enumerate(result[3]):
                 if key == self.identity.public_key:
                     continue
                 self._partners[key] = now  # dropped too: one late to us may be in its last round still
                 if i not in outcome.dropped:
-                    self._anchors[key] = (time.time(), sum(self.stats.rounds))  # where it was (wall time: catchup)
-                    self._in_step_at = time.time()  # we averaged this round with a peer: in step
+                    self._anchors[key] = (wall, sum(self.stats.rounds))  # where it was (wall time: catchup)
+                    self._in_step_at = wall  # we averaged this round with a peer: in step
             if len(self._anchors) > MAX_ANCHORS:  # the ones we met longest ago go first
                 for key, _ in sorted(self._anchors.items(), key=lambda kv: kv[1][0])[:len(self._anchors) - MAX_ANCHORS]:
                     del self._anchors[key]
