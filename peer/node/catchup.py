@@ -35,26 +35,21 @@ def download_s(swarm) -> float:
 DIGEST_HISTORY = 16  # of our latest landings whose digests a repair compares peers' heartbeats with
 IN_STEP_ROUNDS = 10  # of our rounds without averaging with a peer after which we judge claims as a joiner
 IN_STEP_MIN_S = 120.0
-PACE_ALLOWANCE = 2.0  # how much faster than us a peer that averaged with us may have gone on since
+STEADY_ROUNDS = 4  # of our latest rounds whose partners, at rounds near ours, outvote far-ahead claims
+PACE_ALLOWANCE = 2.0  # how much faster than our own rounds a peer that averaged with us may have gone on
 
 
-def plausible_progress(anchor: tuple[float, int, float] | None, claimed: int, fragments: int, ours: int,
-                       stalled: float, round_s: float) -> bool:
-    """Whether a peer that last averaged with us at ``anchor`` (wall time, our rounds' sum
-    then, our stalled seconds then: ``CatchUpMixin._stalled``) may be at rounds summing to
-    ``claimed`` now, when ours sum to ``ours`` and we have stalled ``stalled`` seconds in all.
-    It may be PLAUSIBLE_ROUNDS_AHEAD rounds of each fragment beyond where it was, plus
-    PACE_ALLOWANCE x the rounds we trained since, plus PACE_ALLOWANCE x the rounds of ours
-    (``round_s``: our time per round) that fit in the time we did not train since (paused,
-    asleep, downloading): a peer cannot have gone on further than our own progress explains.
-    Time alone allows nothing: keys that averaged with us once and then waited while we
-    trained gain no allowance. A peer that never averaged with us (no anchor) is not believed."""
-    if anchor is None:
+def plausible_progress(anchor: tuple[float, int] | None, claimed: int, fragments: int, now: float,
+                   round_s: float) -> bool:
+    """Whether a peer that last averaged with us at ``anchor`` (wall time, our rounds'
+    sum then) may be at rounds summing to ``claimed`` now: at most PLAUSIBLE_ROUNDS_AHEAD
+    rounds of each fragment beyond where it was, plus PACE_ALLOWANCE x the rounds of ours
+    that fit in the time since (``round_s``: our time per round). A peer that never averaged
+    with us (no anchor), or before our pace is known, is not believed."""
+    if anchor is None or round_s <= 0:
         return False
-    _, rounds, stalled_then = anchor
-    allowed = fragments * PLAUSIBLE_ROUNDS_AHEAD + PACE_ALLOWANCE * max(0, ours - rounds)
-    if round_s > 0:
-        allowed += fragments * PACE_ALLOWANCE * max(0.0, stalled - stalled_then) / round_s
+    at, rounds = anchor
+    allowed = fragments * (PLAUSIBLE_ROUNDS_AHEAD + PACE_ALLOWANCE * max(0.0, now - at) / round_s)
     return claimed - rounds <= allowed
 
 
@@ -87,7 +82,7 @@ class CatchUpMixin:
                  if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
         claimed = bool(ahead)  # before we doubt any: doubted claims are no sign that nobody is ahead
         if in_step:  # also when we resume from a pause: a pause is no join
-            ahead = self._plausibly_ahead(ahead, peers, mine)
+            ahead = self._plausibly_ahead(ahead, peers, mine, swarm.heartbeat_ttl_s)
         if joining and not claimed and not in_step:
             # a heartbeat is up to two intervals old, and vouches for the last state its peer had
             # finished publishing: it may be rounds behind its peer (after a pause, the run went
@@ -175,44 +170,57 @@ class CatchUpMixin:
             return True
         return time.time() - self._in_step_at <= max(IN_STEP_MIN_S, IN_STEP_ROUNDS * self._round_s())
 
-    def _stalled(self) -> float:
-        """Seconds we did not train, in all, so far in this process: paused (``_pause``),
-        downloading a state (``_download``), and asleep (an OS suspend stops the monotonic
-        clock and not the wall clock; so does a step of the wall clock, which only ever adds).
-        A peer that averaged with us may have gone on meanwhile (``plausible_progress``)."""
-        drift = time.time() - time.monotonic() - self._clock_gap
-        self._drift_s = max(self._drift_s, drift)
-        return self._stall_s + self._drift_s
-
-    def _plausibly_ahead(self, ahead: dict[bytes, bytes], peers: dict, mine: int) -> dict[bytes, bytes]:
+    def _plausibly_ahead(self, ahead: dict[bytes, bytes], peers: dict, mine: int,
+                         ttl_s: float = 0.0) -> dict[bytes, bytes]:
         """Of the peers whose heartbeats say they are ahead of our round ``mine`` (a node
         training in step: ``_in_step``), those whose claim fits what they showed us before. Up to
         PLAUSIBLE_ROUNDS_AHEAD rounds ahead, anyone's (the state must then lie near ours:
         ``check_distance``). Further ahead, where nothing can judge the state, only a peer that
         averaged with us, or served us the state we took (so it was where we were, then:
-        ``_anchors``), and whose progress since our own progress and stalls explain
-        (``plausible_progress``): two keys that never averaged with us, claiming 50 rounds and
-        serving zeros, used to replace the model of every peer that was training in step; and
-        keys that averaged with us once and then waited, while an allowance grew with the time,
-        could claim what they liked."""
-        round_s, ours, stalled = self._round_s(), sum(self.stats.rounds), self._stalled()
-        out, doubted = {}, []
+        ``_anchors``) and has not come further since than twice our pace allows
+        (``plausible_progress``; a joiner slower than the swarm in lockstep catches up again
+        from its donors): two keys that never averaged
+        with us, claiming 50 rounds and serving zeros, used to replace the model of every peer
+        that was training in step. And only if more peers claim so (whatever state each vouches
+        for: in a swarm larger than a group, groups far on land different copies) than peers that
+        averaged with us within the last STEADY_ROUNDS rounds (or a heartbeat's life, ``ttl_s``)
+        show rounds near ours: those prove the swarm we average with is here, not far on, and
+        keys that averaged with us once and then waited (the allowance grows with time) must
+        outnumber them."""
+        round_s = self._round_s()
+        # wall time: a monotonic clock stops while the OS is suspended, and a laptop that slept an
+        # hour would find the swarm far ahead with no time passed, and refuse to catch up
+        now, out, doubted = time.time(), {}, []
         for k, digest in ahead.items():
             rounds = tuple(peers[k].rounds)
             if len(rounds) != len(self.worker.outer):  # not this run's fragments: its sums mean nothing
                 doubted.append(k)
             elif k in self._trusted or min(rounds, default=0) - mine <= PLAUSIBLE_ROUNDS_AHEAD or \
-                    plausible_progress(self._anchors.get(k), sum(rounds), len(rounds), ours, stalled, round_s):
+                    plausible_progress(self._anchors.get(k), sum(rounds), len(rounds), now, round_s):
                 out[k] = digest
             else:
                 doubted.append(k)
+        far = [k for k in out if min(peers[k].rounds, default=0) - mine > PLAUSIBLE_ROUNDS_AHEAD
+               and k not in self._trusted]  # the run's creator: its word on the state is enough
+        if far:
+            window = max(ttl_s, STEADY_ROUNDS * round_s)
+            # partners of before our last pause do not count: peers that paused with us would
+            # outvote the ones that went on, and we would train apart from them for good
+            steady = sum(1 for k, (at, _) in self._anchors.items()
+                         if k in peers and now - at <= window and at > self._paused_at
+                         and abs(min(peers[k].rounds, default=0) - mine) <= PLAUSIBLE_ROUNDS_AHEAD)
+            if len(far) <= steady:  # all of them, not per state: groups far on land different copies
+                for k in far:
+                    del out[k]
+                    doubted.append(k)
         fresh = [k for k in doubted if (k, sum(peers[k].rounds)) not in self._doubted]
         if fresh:
             if len(self._doubted) > 4096:
                 self._doubted.clear()  # at worst, a claim is logged again
             self._doubted |= {(k, sum(peers[k].rounds)) for k in fresh}  # said once per claim
             log.warning("not believing %d peer(s) that claim to be more than %d rounds ahead of round %d: none "
-                        "averaged with us at a pace that leads there (peers %s)", len(fresh),
+                        "averaged with us at a pace that leads there, or more peers that averaged with us lately "
+                        "are here (peers %s)", len(fresh),
                         PLAUSIBLE_ROUNDS_AHEAD, mine, ", ".join(peer_id_from_public_key(k) for k in fresh))
         return out
 
@@ -323,7 +331,6 @@ class CatchUpMixin:
             return False
         finally:
             self._progress = None
-            self._stall_s += time.perf_counter() - t0  # not training meanwhile (a monotonic clock: _stalled)
         if fast_forward:
             # what we trained since our latest contribution is replaced by the swarm's state:
             # say so, and count it in the ledger (nothing is dropped silently)
@@ -347,10 +354,9 @@ class CatchUpMixin:
         self._publish_state(worker)  # serve what we now vouch for (the same bytes: the same digest)
         self._caught_up, self._repair_due, self._repair_tries = True, False, 0
         # the donors were where this state is, as the bytes we checked show (wall time: see _plausibly_ahead)
-        now, stalled = time.time(), self._stalled()
-        self._in_step_at = now
+        now = self._in_step_at = time.time()
         for donor in serving:
-            self._anchors[public_key_from_peer_id(donor)] = (now, sum(state.rounds), stalled)
+            self._anchors[public_key_from_peer_id(donor)] = (now, sum(state.rounds))
         if fast_forward:
             # the donors just landed this state and train toward the next sync its rounds imply:
             # start right before it, so our next step meets them in that round's matchmaking

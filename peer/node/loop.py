@@ -182,13 +182,11 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             self._repair_tries = 0  # checks at which the donors of a due repair were not at our rounds
             self._trusted = frozenset({self.signed.manifest.creator})  # its word on the state is enough alone
             self._refused_claims: set[bytes] = set()  # state digests claimed ahead by too few peers
-            # key -> (when, wall time; our rounds' sum; our stalled seconds) it last averaged with us
-            self._anchors: dict[bytes, tuple[float, int, float]] = {}
+            self._anchors: dict[bytes, tuple[float, int]] = {}  # key -> (when, wall time; our rounds' sum) it last averaged with us
             self._doubted: set[tuple[bytes, int]] = set()  # (key, rounds' sum) of far-ahead claims we did not believe
             self._caught_up = False  # joined the swarm's state (or found nobody ahead); until then lag 1
             self._in_step_at = -math.inf  # wall time we last knew it (CatchUpMixin._in_step)
-            self._stall_s = 0.0  # seconds paused or downloading a state (CatchUpMixin._stalled)
-            self._clock_gap, self._drift_s = time.time() - time.monotonic(), 0.0  # and asleep, the clocks' drift
+            self._paused_at = -math.inf  # wall time our last pause began
             self._sync_started_at: list[int] = []  # step of each fragment's latest contribution
             self._clock = SwarmClock(swarm.heartbeat_interval_s, train.tokens_per_step())  # the swarm's pace (peer.pace)
             self._maddrs = self.net.visible_maddrs()
@@ -229,7 +227,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
         for sync in pipeline.drain():
             self._land(sync, swarm)
         self._release_worker()
-        paused = time.monotonic()  # asleep meanwhile counts by the clocks' drift (CatchUpMixin._stalled)
+        self._paused_at = time.time()
         self.state = "paused"
         log.info("paused reason=%s", self._pause_reason)
         self._wake.clear()
@@ -247,7 +245,6 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             return
         self.state = "syncing"
         self._build_worker()
-        self._stall_s += time.monotonic() - paused  # the swarm went on without us
         self._check_agreement(swarm, joining=True)  # the run may have moved on while we were away
         self.state = "training"
         log.info("resumed step=%d rounds=%s", self.worker.step, self.stats.rounds)

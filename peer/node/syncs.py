@@ -321,15 +321,14 @@ class SyncMixin:
                 log.info("our group waited %.1f s for our part: slower than the swarm, following its rounds",
                          outcome.kept_waiting_s)
             size = result[1]
-            # the members that averaged with us: the run's end waits for them (peer.node.settle)
-            now, wall, stalled = time.monotonic(), time.time(), self._stalled()
+            now, wall = time.monotonic(), time.time()  # the members that averaged with us: the run's end waits for them (peer.node.settle)
             self._partners = {k: t for k, t in self._partners.items() if now - t <= swarm.heartbeat_ttl_s}
             for i, key in enumerate(result[3]):
                 if key == self.identity.public_key:
                     continue
                 self._partners[key] = now  # dropped too: one late to us may be in its last round still
                 if i not in outcome.dropped:
-                    self._anchors[key] = (wall, sum(self.stats.rounds), stalled)  # where it was (catchup.plausible_progress)
+                    self._anchors[key] = (wall, sum(self.stats.rounds))  # where it was (wall time: catchup)
                     self._in_step_at = wall  # we averaged this round with a peer: in step
             if len(self._anchors) > MAX_ANCHORS:  # the ones we met longest ago go first
                 for key, _ in sorted(self._anchors.items(), key=lambda kv: kv[1][0])[:len(self._anchors) - MAX_ANCHORS]:
