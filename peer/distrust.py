@@ -109,19 +109,13 @@ class Distrust:
             n, last = self._absent.get(key, (0, None))
             if last == round_:
                 return 0
-            if len(self._absent) >= 4096 and key not in self._absent:
-                self._absent.clear()  # at worst, an absent key is counted afresh
-            # after a suspension for it, the next absence in a row starts the next one at once
-            self._absent[key] = (min(n + 1, ABSENT - 1), round_)
             if n + 1 < ABSENT:
+                if len(self._absent) >= 4096 and key not in self._absent:
+                    self._absent.clear()  # at worst, an absent key is counted afresh
+                self._absent[key] = (n + 1, round_)
                 return 0
+            self._absent.pop(key, None)
         return self.suspend(key)
-
-    def absent_lately(self) -> set[bytes]:
-        """The keys absent from our last group with them (``absent``): a leader may have
-        suspended one already (``Matchmaker._consistent``)."""
-        with self._lock:
-            return set(self._absent)
 
     def present(self, key: bytes) -> None:
         """``key`` took part in a group of ours."""

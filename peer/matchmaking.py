@@ -333,16 +333,13 @@ class Matchmaker:
 
     def _consistent(self, f: GroupFormed, seed: bytes, joins: dict[bytes, _Join]) -> bool:
         """Whether record ``f`` is a group that the batch rule gives its leader over ``joins``
-        (all of them, or without the keys we distrust, and those absent from our last group with
-        them: its leader may distrust them too), every
+        (all of them, or without the keys we distrust: its leader may distrust them too), every
         member having joined with the weight it names. A leader whose view was fuller than ours
         writes such a record once its extra joins reach us; a key that names whom it likes
         does not."""
         if any(m not in joins or joins[m].weight != w for m, w in zip(f.members, f.weights)):
             return False
-        lately = self.distrusted.absent_lately()  # the leader may have suspended one already: it counted first
-        views = [joins, {k: j for k, j in joins.items() if k not in self.distrusted or k in f.members},
-                 {k: j for k, j in joins.items() if (k not in self.distrusted and k not in lately) or k in f.members}]
+        views = [joins, {k: j for k, j in joins.items() if k not in self.distrusted or k in f.members}]
         for view in views:
             batch, _ = batch_of({k: j.joined_at for k, j in view.items()}, f.members[0], self.gap_s, self.span_s)
             if tuple(f.members) in assign_groups(seed, batch, self.swarm.group_size):
