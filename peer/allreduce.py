@@ -186,8 +186,6 @@ class AllReduceOutcome:
     kept_waiting_s: float = 0.0
     """How long half the other members' frames for this group had waited for us when we
     started it: we reached the round that much after them (``peer.pace``)."""
-    silent: tuple[bytes, ...] = ()
-    """Public keys of the members we never heard from in this round (``Round.silent``)."""
 
 
 class Averager(InboundMixin, SendMixin):
@@ -379,7 +377,7 @@ class Averager(InboundMixin, SendMixin):
                                 time.perf_counter() - started, landing.partial, tuple(sorted(rnd.repaired)),
                                 rnd.settled() and not landing.disputed and not rnd.apart(), tuple(rnd.clipped),
                                 tuple(bytes(rnd.group.members[j]) for j in implausible), offences, tuple(conformed),
-                                kept_waiting, tuple(bytes(rnd.group.members[i]) for i in rnd.silent()))
+                                kept_waiting)
 
     async def _agree(self, rnd: Round) -> None:
         """Tell every member which parts we hold, forward the ones they lack, and wait for what

@@ -24,15 +24,6 @@ Two kinds, because two kinds of evidence come in:
   the length of the suspension, and lands the lies an audit would have proven in the rounds
   it is back in (docs/THREAT_MODEL.md: the price of not shutting out crashed peers).
 
-- **Absent**: a member that joined our groups and then sent us nothing, in ``ABSENT`` rounds in
-  a row (``absent``; any frame from it in a group of ours starts the count again: ``present``),
-  or a leader that wrote no record of our group that often, is suspended the same way. Each
-  such group waits for it to its deadline: one key that joined every group and never took
-  part cost every round a whole deadline (20 s instead of about 1.5 s) and was never shut
-  out. A peer killed once is absent from the rounds formed before it died, not from 3 in a
-  row once it is back; one slower than every deadline, round after round, is shut out for a
-  while (suspended, never banned).
-
 Thread-safe: the audit's verdicts come on the network thread, the round's on the training
 thread, and the matchmaking reads on the network thread.
 """
@@ -44,7 +35,6 @@ from collections.abc import Iterable
 
 SUSPEND = 8  # our syncs (4 rounds of a 2-fragment run)
 SUSPEND_MAX = 512
-ABSENT = 3  # rounds in a row in which a member of our groups sent us nothing: then it is suspended
 
 
 class Distrust:
@@ -55,7 +45,6 @@ class Distrust:
         self._until: dict[bytes, int] = {}  # key -> the sync count its suspension ends at
         self._began: dict[bytes, int] = {}  # key -> the sync count its last suspension began at
         self._count: dict[bytes, int] = {}  # key -> suspensions so far
-        self._absent: dict[bytes, tuple[int, int]] = {}  # key -> (rounds in a row it sent us nothing in, the last)
         self._lock = threading.Lock()
 
     def tick(self) -> None:
@@ -97,30 +86,6 @@ class Distrust:
             self._count[key] = n + 1
             self._began[key], self._until[key] = self.syncs, self.syncs + length
             return length
-
-    def absent(self, key: bytes, round_: int) -> int:
-        """``key`` was in our group of round ``round_`` (of any fragment) and sent us nothing,
-        or led it and wrote no record of it: -> for how many of our syncs it is suspended from
-        now, if this starts a suspension (absent from ``ABSENT`` rounds in a row), else 0. The
-        fragments of one round count once: a peer killed mid-round is absent from the groups
-        formed for it and the next one ahead, not from three rounds."""
-        key = bytes(key)
-        with self._lock:
-            n, last = self._absent.get(key, (0, None))
-            if last == round_:
-                return 0
-            if n + 1 < ABSENT:
-                if len(self._absent) >= 4096 and key not in self._absent:
-                    self._absent.clear()  # at worst, an absent key is counted afresh
-                self._absent[key] = (n + 1, round_)
-                return 0
-            self._absent.pop(key, None)
-        return self.suspend(key)
-
-    def present(self, key: bytes) -> None:
-        """``key`` took part in a group of ours."""
-        with self._lock:
-            self._absent.pop(bytes(key), None)
 
     def banned(self, key: bytes) -> bool:
         return bytes(key) in self._banned

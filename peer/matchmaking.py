@@ -105,7 +105,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from peer.allreduce import Group
-from peer.distrust import ABSENT, Distrust
+from peer.distrust import Distrust
 from peer.presence import PREFIX
 from protocol.envelope import seal, verify
 from protocol.errors import LocalProtocolError, RemoteProtocolError
@@ -319,18 +319,6 @@ class Matchmaker:
         ok = [f for f in ours if self._consistent(f, seed, joins)]
         return min(ok, key=lambda f: rank(seed, f.members[0]), default=None)
 
-    async def _leader_absent(self, fragment: int, round: int, numel: int, codec: str, seed: bytes,
-                             leader: bytes) -> None:
-        """Our leader named us in no group by the deadline: if it is in no group record of the
-        round at all, it joined and then led nothing (``Distrust.absent``). One that followed
-        another leader, seeing other joins than we did, is in that one's record."""
-        records = await self._read_groups(fragment, round, numel, codec, seed)
-        if any(leader in f.members for f in records):
-            return
-        if syncs := self.distrusted.absent(leader, round):
-            log.warning("not grouping with peer=%s for %d syncs: it joined our batches and wrote no record of "
-                        "the group it led in %d rounds in a row", peer_id_from_public_key(leader), syncs, ABSENT)
-
     def _consistent(self, f: GroupFormed, seed: bytes, joins: dict[bytes, _Join]) -> bool:
         """Whether record ``f`` is a group that the batch rule gives its leader over ``joins``
         (all of them, or without the keys we distrust: its leader may distrust them too), every
@@ -489,8 +477,6 @@ class Matchmaker:
                 return self._group(found)
             if now() >= give_up:
                 log.info("no group fragment=%d round=%d: averaging alone this round", fragment, round)
-                if len(mine) > 1:
-                    await self._leader_absent(fragment, round, numel, codec, seed, mine[0])
                 self._alone.setdefault(fragment, {})[round] = t_me
                 return None
             await asyncio.sleep(max(0.0, min(delay, give_up - now())))

@@ -50,14 +50,6 @@ class AgreementMixin:
         return any(i != self.me and (self.pushed[i] or self.got[i] or i in counted or i in self.reports)
                    for i in range(self.n))
 
-    def silent(self) -> list[int]:
-        """The other members we never heard from in this round: no push, no part, no report nor
-        final came from them, and no part we hold counts them. A member that joins groups and
-        then sends nothing holds each of them to its deadline (``Distrust.absent``)."""
-        counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
-        return [i for i in range(self.n) if i != self.me and not (self.pushed[i] or self.got[i]) and
-                i not in counted and i not in self.reports and i not in self.finals]
-
     def agreed(self) -> bool:
         """Every member we wait for (``took_part``) has reported, we hold every part that any of them
         holds (the ones we lacked were forwarded to us), and every part reported with two

@@ -20,7 +20,6 @@ from peer.node.config import (
     _fault_alone,
     _fault_due,
 )
-from peer.distrust import ABSENT
 from peer.pace import straggle_steps
 from peer.sync_pipeline import Forming, InFlight
 from protocol.butterfly import slice_bounds
@@ -254,20 +253,6 @@ class SyncMixin:
                 log.warning("not grouping with peer=%s any more: its reduced part was too large for its "
                             "contributions", peer_id_from_public_key(key))
 
-    def _note_absent(self, members: tuple[bytes, ...], silent: tuple[bytes, ...], round_: int) -> None:
-        """Members of our group that sent us nothing in its round (``peer.distrust``: absent
-        from 3 rounds in a row, a member is suspended from our groups for a while)."""
-        distrusted = self.matchmaker.distrusted
-        for key in members:
-            if key == self.identity.public_key:
-                continue
-            if key not in silent:
-                distrusted.present(key)
-            elif syncs := distrusted.absent(key, round_):
-                log.warning("not grouping with peer=%s for %d syncs: it joined our groups and sent us nothing in "
-                            "%d rounds in a row", peer_id_from_public_key(key), syncs, ABSENT)
-                self.on_event({"event": "suspended", "peer": peer_id_from_public_key(key), "syncs": syncs})
-
     def _take_verdicts(self) -> None:
         """The audits' verdicts on earlier rounds, and proofs other peers handed us
         (``peer.audit``): bans saved with their evidence, suspensions told. At every landing,
@@ -323,7 +308,6 @@ class SyncMixin:
         else:
             avg = outcome.average
             self._judge(outcome.offences, outcome.refused)
-            self._note_absent(result[3], outcome.silent, round_)
             if not outcome.agreed:  # a member that took part never reported, or a reducer sent two
                 self._alone_this_round = True  # means: the members may land different averages: compare after
                 self._new_lineage()

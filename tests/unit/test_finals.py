@@ -175,18 +175,3 @@ def test_one_members_report_cannot_make_a_reducer_on_its_way_look_late():
     for i in (1, 2):  # part 3 held alike by two members: its reducer sent it to them, not (yet) to us
         told(honest, i, (b"", b"", b"", b"\x33" * 32))
     assert 3 in honest.held_since
-
-
-def test_a_member_we_never_heard_from_is_silent_one_that_sent_anything_is_not():
-    """``Round.silent``: who sent us nothing in the round (``peer.distrust``: absent)."""
-    rnd = member(0)
-    assert rnd.silent() == [1, 2]
-    hold(rnd, 1, (0, 1, 2))  # member 1's mean of its part, counting 2's slice
-    assert rnd.silent() == []  # 2 sent its slice to 1: it took part, if not with us
-    rnd = member(0)
-    hold(rnd, 1, (0, 1))
-    deliver(rnd, final(2, (b"",) * N))  # a final from it is a sign of life too
-    assert rnd.silent() == []
-    rnd = member(0)
-    hold(rnd, 1, (0, 1))
-    assert rnd.silent() == [2]
