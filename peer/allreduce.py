@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -104,6 +105,8 @@ from peer.allreduce_round import Round
 from peer.allreduce_send import SendMixin, encode_chunks
 from peer.audit import Audits
 from peer.inbox import PendingFrames, StreamEnded, StreamGate
+from peer.quiet import QuietMembers
+from peer.quiet import grace as quiet_grace
 from peer.ratelimit import RateLimiter
 from protocol.butterfly import HEAD_ROOM, chunk_elements
 from protocol.codecs import get_codec
@@ -239,6 +242,8 @@ class Averager(InboundMixin, SendMixin):
         self._recent: OrderedDict[bytes, Round] = OrderedDict()  # finished rounds whose parts we forward
         self._side_tasks: set[asyncio.Task[None]] = set()  # forwards for finished rounds
         self._started = False
+        self.quiet = QuietMembers()
+        """Peers that failed their part in our last round with them: a short wait (``peer.quiet``)."""
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -285,6 +290,7 @@ class Averager(InboundMixin, SendMixin):
         rnd = Round(group, me, vec, get_codec(group.codec), self.clip, excluded, self.banned,
                     chunk=chunk_elements(self.max_frame_bytes))
         rnd.stopping = stopping
+        rnd.quiet = self.quiet.of(rnd.peer_ids, me)
         self._active[gid] = rnd
         kept_waiting = self._pending.waited(gid, [p for i, p in enumerate(rnd.peer_ids) if i != me])
         for peer_id, item, nbytes, data in self._pending.pop(gid):  # in arrival order
@@ -314,12 +320,14 @@ class Averager(InboundMixin, SendMixin):
                 rnd.own(own, self._frames(rnd, me, own, group.weights[me], None))
                 for w in rnd.witnesses[me]:
                     tasks.append(asyncio.create_task(self._deliver(rnd, w, rnd.own_frames, push_deadline, sent, False)))
-            await self._wait(rnd, rnd.pushes_done, push_deadline)
+            await self._wait(rnd, rnd.pushes_done, push_deadline, rnd.pushes_done_but_quiet)
             phases = [loop.time() - t0]
             rnd.collecting_pushes = False
+            rnd.pushed_in_time = list(rnd.pushed)
             for i in range(rnd.n):
                 if i != me and i not in rnd.dropped and rnd.pushed[i] != rnd.size(me):
-                    rnd.drop(i, "timeout:slice not received in time")
+                    rnd.drop(i, "timeout:slice not received in time" if loop.time() >= push_deadline
+                             else "timeout:slice not received, quiet: it failed its part before")
 
             if rnd.size(me):
                 mean, contrib, total = rnd.reduce()
@@ -338,7 +346,8 @@ class Averager(InboundMixin, SendMixin):
             for j in range(rnd.n):
                 if j != me and j not in rnd.dropped and rnd.got[j] != rnd.size(j):
                     rnd.drop(j, "timeout:reduced part not received in time" if loop.time() >= end_deadline
-                             else "timeout:reduced part held by others, not sent to us")
+                             else "timeout:reduced part held by others, not sent to us" if j in rnd.held_since
+                             else "timeout:reduced part not received, quiet: it failed its part before")
             await self._agree(rnd)
             phases.append(loop.time() - t0)
             rnd.collecting_means = False
@@ -364,6 +373,9 @@ class Averager(InboundMixin, SendMixin):
 
         landing = rnd.land()
         fallback, implausible, conformed = landing.fallback, landing.implausible, landing.conformed
+        for i in self.quiet.judge(rnd):
+            log.info("member failed its part of the round: a short wait for it next time peer=%s group=%s",
+                     rnd.peer_ids[i], gid.hex())
         self._tell_landed(rnd, [i for i in range(rnd.n) if i != me and i not in rnd.finals and i not in rnd.gone])
         rnd.retire()
         self.audits.after(rnd, fallback, suspect=landing.inconsistent + rnd.unwitnessed())
@@ -395,7 +407,9 @@ class Averager(InboundMixin, SendMixin):
             if i != rnd.me and not rnd.dropped.get(i, "").startswith("unreachable"):
                 rnd.tasks.append(asyncio.create_task(self._report(rnd, i, frames)))
         self._forward(rnd, rnd.tasks)  # reports that came before ours
-        await self._wait(rnd, rnd.agreed, rnd.agree_deadline)
+        await self._wait(rnd, rnd.agreed, rnd.agree_deadline, rnd.agreed_but_quiet)
+        if not rnd.agreed() and rnd.agreed_but_quiet():  # waited for the quiet members long enough
+            rnd.waived = rnd.quiet - rnd.reports.keys()
 
     def _check_call(self, group: Group, vector: torch.Tensor, weight: float) -> int:
         if group.run_id != self.run_id:
@@ -418,17 +432,23 @@ class Averager(InboundMixin, SendMixin):
             raise LocalProtocolError(f"a weight in the group is over the run's limit of {self.max_weight:g} tokens")
         return me
 
-    async def _wait(self, rnd: Round, done: Any, deadline: float) -> None:
+    async def _wait(self, rnd: Round, done: Any, deadline: float, but_quiet: Any = None) -> None:
+        """Until ``done()`` or the deadline; once ``but_quiet()`` (done but for the quiet
+        members, ``peer.quiet``), at most ``peer.quiet.grace`` longer."""
         loop = asyncio.get_running_loop()
+        start, cut = loop.time(), math.inf
         while not done():
-            remaining = deadline - loop.time()
+            now = loop.time()
+            if cut == math.inf and rnd.quiet and but_quiet is not None and but_quiet():
+                cut = now + quiet_grace(rnd.group.deadline_s, now - start)
+            remaining = min(deadline, cut) - now
             if remaining <= 0:
                 return
             rnd.changed.clear()  # nothing can arrive between done() and here: no await
             try:
                 await asyncio.wait_for(rnd.changed.wait(), remaining)
             except asyncio.TimeoutError:
-                return
+                pass
 
     async def _wait_means(self, rnd: Round, deadline: float) -> None:
         """Until we hold every reduced part, or the deadline; or until each part we lack was
@@ -440,9 +460,12 @@ class Averager(InboundMixin, SendMixin):
         (and the reducer's own frames are still taken)."""
         loop = asyncio.get_running_loop()
         grace = ELSEWHERE_GRACE * rnd.group.deadline_s
+        start, cut = loop.time(), math.inf
         while not rnd.means_done():
             now = loop.time()
-            until = min(deadline, rnd.held_elsewhere_at(grace))
+            if cut == math.inf and rnd.quiet and rnd.means_done_but_quiet():  # peer.quiet
+                cut = now + quiet_grace(rnd.group.deadline_s, now - start)
+            until = min(deadline, rnd.held_elsewhere_at(grace), cut)
             if now >= until:
                 return
             rnd.changed.clear()  # nothing can arrive between means_done() and here: no await
