@@ -94,7 +94,6 @@ member of a batch still has time to see its group before its own deadline.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 from collections.abc import Callable
@@ -105,13 +104,13 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from peer.allreduce import Group
+from peer.batches import assign_groups, batch_of, busiest_batch, group_id_of, groups_key, joins_key, rank, round_seed
 from peer.distrust import Distrust
-from peer.presence import PREFIX
 from protocol.envelope import seal, verify
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.identity import Identity, peer_id_from_public_key
 from protocol.manifest import SwarmConfig
-from protocol.messages import GROUP_ID_BYTES, KEY_BYTES
+from protocol.messages import KEY_BYTES
 from protocol.messages_swarm import GroupFormed, JoinGroup
 
 __all__ = ["Matchmaker", "assign_groups", "batch_of", "group_id_of", "groups_key", "joins_key", "round_seed"]
@@ -126,73 +125,6 @@ JOIN_TTL_FACTOR = 2.0  # joins outlive every window they can be part of
 CLOCK_SKEW_S = 30.0
 FORMATION_MARGIN_S = 1.0  # for the DHT round trips of forming a group, on top of the windows
 ALIGN_HISTORY = 3  # lonely rounds of a fragment whose join times align_delay looks back on
-
-
-def joins_key(run_id: bytes, fragment: int, round: int) -> str:
-    return f"{PREFIX}/run/{run_id.hex()}/avg/{fragment}/{round}/joins"
-
-
-def groups_key(run_id: bytes, fragment: int, round: int) -> str:
-    return f"{PREFIX}/run/{run_id.hex()}/avg/{fragment}/{round}/groups"
-
-
-def round_seed(run_id: bytes, fragment: int, round: int) -> bytes:
-    """The seed that shuffles the groups of one (run, fragment, round)."""
-    return hashlib.sha256(b"swarmstream/groups/v1\0" + run_id + fragment.to_bytes(4, "big")
-                          + round.to_bytes(8, "big")).digest()
-
-
-def rank(seed: bytes, key: bytes) -> bytes:
-    return hashlib.sha256(seed + key).digest()
-
-
-def assign_groups(seed: bytes, keys: list[bytes] | set[bytes], group_size: int) -> list[tuple[bytes, ...]]:
-    """Partition ``keys`` into ceil(n / group_size) groups of near-equal size, each in rank
-    order (its first member leads). Deterministic: the same keys and seed, the same groups."""
-    if group_size < 1:
-        raise LocalProtocolError("group_size must be >= 1")
-    order = sorted(set(keys), key=lambda k: rank(seed, k))
-    count = math.ceil(len(order) / group_size)
-    return [tuple(order[g::count]) for g in range(count)]
-
-
-def batch_of(join_times: dict[bytes, float], me: bytes, gap_s: float, span_s: float) -> tuple[list[bytes], float]:
-    """The batch of joins that ``me`` belongs to, and the time it closes.
-
-    Batches are chained greedily from the earliest join: each next join extends the batch if
-    it comes at most ``gap_s`` after the previous one and at most ``span_s`` after the batch's
-    first; otherwise it starts the next batch. A batch closes ``gap_s`` after its last join
-    (no later join can extend it), or at ``first + span_s``. ``me`` must be in ``join_times``."""
-    order = sorted(join_times, key=lambda k: (join_times[k], k))
-    batches: list[list[bytes]] = []
-    first = last = 0.0
-    for k in order:
-        t = join_times[k]
-        if not batches or t > last + gap_s or t > first + span_s:
-            if batches and me in batches[-1]:
-                break
-            batches.append([])
-            first = t
-        batches[-1].append(k)
-        last = t
-    batch = batches[-1]
-    assert me in batch
-    return batch, min(last + gap_s, first + span_s)
-
-
-def busiest_batch(times: list[float], gap_s: float, span_s: float) -> float:
-    """The first join time of the batch (chained as ``batch_of`` chains them) that holds the
-    most of ``times``, the earliest of those on a tie."""
-    batches: list[list[float]] = []
-    for t in sorted(times):
-        if not batches or t > batches[-1][-1] + gap_s or t > batches[-1][0] + span_s:
-            batches.append([])
-        batches[-1].append(t)
-    return max(batches, key=len)[0]  # max keeps the first of equals: the earliest
-
-
-def group_id_of(seed: bytes, members: tuple[bytes, ...]) -> bytes:
-    return hashlib.sha256(b"swarmstream/group-id/v1\0" + seed + b"".join(members)).digest()[:GROUP_ID_BYTES]
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +158,12 @@ class Matchmaker:
         node's live peers). Once all of them are in our batch, the
         batch closes at once instead of ``gap`` after its last join: everyone we know of is
         in, and waiting only delays the group (see the module docstring)."""
+        self.quiet: Callable[[bytes], bool] | None = None
+        """key -> whether it failed its part of our last round with it (``peer.quiet``): a
+        leader of ours that did and writes no record is not waited for to the deadline."""
+        self.leader_absent: Callable[[bytes], None] | None = None
+        """Called with our leader's key when it wrote no group record and we average with the
+        group as we see it: it has failed its part of this round (``peer.quiet``)."""
         self.distrusted = Distrust()
         """Keys we do not group with, nor follow as leaders: banned for a proven lie or a
         reduced part we refused, or suspended for an audit they did not answer (``peer.distrust``;
@@ -318,6 +256,20 @@ class Matchmaker:
         joins.setdefault(me, own)  # our own store may not be readable yet
         ok = [f for f in ours if self._consistent(f, seed, joins)]
         return min(ok, key=lambda f: rank(seed, f.members[0]), default=None)
+
+    async def _leader_wrote(self, fragment: int, round: int, numel: int, codec: str, seed: bytes,
+                            leader: bytes) -> bool:
+        """Whether ``leader`` wrote a valid group record for the round (naming us or not).
+
+        A follower whose leader wrote none by the deadline (or, for a leader that failed its
+        part of our last round with it, ``quiet``, soon after the batch window) averages with
+        the group it computed itself: every follower computes it alike from the same joins,
+        and its ID is the hash of its members, so they meet without a record. The leader is a
+        member that sends nothing then (``peer.quiet``). A key that joins every round and
+        never writes its record, ranked first, used to leave its followers averaging alone
+        (each with its own copy). A leader that wrote a record, whatever it says, is followed
+        or not as before: only its silence is taken as absence."""
+        return any(f.members[0] == leader for f in await self._read_groups(fragment, round, numel, codec, seed))
 
     def _consistent(self, f: GroupFormed, seed: bytes, joins: dict[bytes, _Join]) -> bool:
         """Whether record ``f`` is a group that the batch rule gives its leader over ``joins``
@@ -470,14 +422,27 @@ class Matchmaker:
         # join of the fragment's next round, which would then come too late for the others'
         # batch as well (a peer alone once would stay alone).
         give_up = deadline if len(mine) > 1 else min(deadline, wake + self.settle_s + 2 * self.poll_s)
+        adopt_at = deadline  # our leader wrote nothing: see _adopt
+        if len(mine) > 1 and self.quiet is not None and self.quiet(mine[0]):
+            adopt_at = min(deadline, wake + self.settle_s + 2 * self.poll_s)
         delay = self.poll_s / 8
         while True:
             found = await self._mine(fragment, round, numel, codec, seed, joins[me], mine[0], now)
             if found is not None:
                 return self._group(found)
+            if len(mine) > 1 and now() >= adopt_at and not await self._leader_wrote(fragment, round, numel, codec,
+                                                                                   seed, mine[0]):
+                log.info("our leader wrote no group record fragment=%d round=%d leader=%s: averaging with the "
+                         "group as we see it", fragment, round, peer_id_from_public_key(mine[0]))
+                if self.leader_absent is not None:
+                    self.leader_absent(mine[0])
+                return self._group(GroupFormed(run_id=self.run_id, fragment=fragment, round=round,
+                                               group_id=group_id_of(seed, mine), members=mine,
+                                               weights=tuple(joins[k].weight for k in mine), numel=numel,
+                                               codec=codec, deadline_s=self.swarm.allreduce_timeout_s))
             if now() >= give_up:
                 log.info("no group fragment=%d round=%d: averaging alone this round", fragment, round)
                 self._alone.setdefault(fragment, {})[round] = t_me
                 return None
-            await asyncio.sleep(max(0.0, min(delay, give_up - now())))
+            await asyncio.sleep(max(0.0, min(delay, min(give_up, adopt_at) - now())))
             delay = min(2 * delay, self.poll_s)
