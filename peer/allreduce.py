@@ -323,11 +323,13 @@ class Averager(InboundMixin, SendMixin):
             await self._wait(rnd, rnd.pushes_done, push_deadline, rnd.pushes_done_but_quiet)
             phases = [loop.time() - t0]
             rnd.collecting_pushes = False
-            rnd.pushed_in_time = list(rnd.pushed)
+            silent = rnd.silent_quiet() if loop.time() < push_deadline else []
             for i in range(rnd.n):
                 if i != me and i not in rnd.dropped and rnd.pushed[i] != rnd.size(me):
-                    rnd.drop(i, "timeout:slice not received in time" if loop.time() >= push_deadline
-                             else "timeout:slice not received, quiet: it failed its part before")
+                    if i in silent:
+                        rnd.cut.add(i)
+                    rnd.drop(i, "timeout:slice not received, quiet: silent in our last round with it too"
+                             if i in silent else "timeout:slice not received in time")
 
             if rnd.size(me):
                 mean, contrib, total = rnd.reduce()
@@ -346,8 +348,7 @@ class Averager(InboundMixin, SendMixin):
             for j in range(rnd.n):
                 if j != me and j not in rnd.dropped and rnd.got[j] != rnd.size(j):
                     rnd.drop(j, "timeout:reduced part not received in time" if loop.time() >= end_deadline
-                             else "timeout:reduced part held by others, not sent to us" if j in rnd.held_since
-                             else "timeout:reduced part not received, quiet: it failed its part before")
+                             else "timeout:reduced part held by others, not sent to us")
             await self._agree(rnd)
             phases.append(loop.time() - t0)
             rnd.collecting_means = False
@@ -374,7 +375,7 @@ class Averager(InboundMixin, SendMixin):
         landing = rnd.land()
         fallback, implausible, conformed = landing.fallback, landing.implausible, landing.conformed
         for i in self.quiet.judge(rnd):
-            log.info("member failed its part of the round: a short wait for it next time peer=%s group=%s",
+            log.info("member silent through the round: a short wait for it next time peer=%s group=%s",
                      rnd.peer_ids[i], gid.hex())
         self._tell_landed(rnd, [i for i in range(rnd.n) if i != me and i not in rnd.finals and i not in rnd.gone])
         rnd.retire()
@@ -407,9 +408,7 @@ class Averager(InboundMixin, SendMixin):
             if i != rnd.me and not rnd.dropped.get(i, "").startswith("unreachable"):
                 rnd.tasks.append(asyncio.create_task(self._report(rnd, i, frames)))
         self._forward(rnd, rnd.tasks)  # reports that came before ours
-        await self._wait(rnd, rnd.agreed, rnd.agree_deadline, rnd.agreed_but_quiet)
-        if not rnd.agreed() and rnd.agreed_but_quiet():  # waited for the quiet members long enough
-            rnd.waived = rnd.quiet - rnd.reports.keys()
+        await self._wait(rnd, rnd.agreed, rnd.agree_deadline)
 
     def _check_call(self, group: Group, vector: torch.Tensor, weight: float) -> int:
         if group.run_id != self.run_id:
@@ -433,13 +432,15 @@ class Averager(InboundMixin, SendMixin):
         return me
 
     async def _wait(self, rnd: Round, done: Any, deadline: float, but_quiet: Any = None) -> None:
-        """Until ``done()`` or the deadline; once ``but_quiet()`` (done but for the quiet
-        members, ``peer.quiet``), at most ``peer.quiet.grace`` longer."""
+        """Until ``done()`` or the deadline; while ``but_quiet()`` holds (done but for silent
+        quiet members, ``peer.quiet``), at most ``peer.quiet.grace`` from when it began to."""
         loop = asyncio.get_running_loop()
         start, cut = loop.time(), math.inf
         while not done():
             now = loop.time()
-            if cut == math.inf and rnd.quiet and but_quiet is not None and but_quiet():
+            if not (rnd.quiet and but_quiet is not None and but_quiet()):
+                cut = math.inf  # (again) waiting for a member that is not quiet, or one that spoke
+            elif cut == math.inf:
                 cut = now + quiet_grace(rnd.group.deadline_s, now - start)
             remaining = min(deadline, cut) - now
             if remaining <= 0:
@@ -460,12 +461,9 @@ class Averager(InboundMixin, SendMixin):
         (and the reducer's own frames are still taken)."""
         loop = asyncio.get_running_loop()
         grace = ELSEWHERE_GRACE * rnd.group.deadline_s
-        start, cut = loop.time(), math.inf
         while not rnd.means_done():
             now = loop.time()
-            if cut == math.inf and rnd.quiet and rnd.means_done_but_quiet():  # peer.quiet
-                cut = now + quiet_grace(rnd.group.deadline_s, now - start)
-            until = min(deadline, rnd.held_elsewhere_at(grace), cut)
+            until = min(deadline, rnd.held_elsewhere_at(grace))
             if now >= until:
                 return
             rnd.changed.clear()  # nothing can arrive between means_done() and here: no await

@@ -154,11 +154,12 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         self.mean_own: dict[int, dict[int, bytes]] = {}  # part -> offset -> its mean chunk's ``own``
         self.vouches: dict[int, dict[int, tuple[float, float]]] = {}  # part -> witness -> (norm, dot) it vouched
         self.pushed = [0] * self.n
-        self.pushed_in_time = [0] * self.n  # ``pushed`` as the push phase ended (``peer.quiet``)
         self.quiet: frozenset[int] = frozenset()
-        """Members that failed their part in our last round with them (``peer.quiet``): each phase
-        waits for them only a short while once the other members are done with it."""
-        self.waived: frozenset[int] = frozenset()  # quiet members whose report we stopped waiting for
+        """Members silent through our last round with them (``peer.quiet``): while we have heard
+        nothing from one in this round, the push phase waits for it only briefly once the others
+        have pushed."""
+        self.heard: set[int] = set()  # members a verified frame of this group came from
+        self.cut: set[int] = set()  # quiet members the push phase stopped waiting for (``peer.quiet``)
         # reduced parts from the other reducers: elements covered and contributors seen
         self.got = [0] * self.n
         self.contributors: dict[int, tuple[int, ...]] = {}
@@ -203,25 +204,17 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
     def means_done(self) -> bool:
         return all(j == self.me or j in self.dropped or self.got[j] == self.size(j) for j in range(self.n))
 
+    def silent_quiet(self) -> list[int]:
+        """The quiet members we have heard nothing from in this round (``peer.quiet``)."""
+        return [i for i in self.quiet if i not in self.heard and i not in self.dropped]
+
     def pushes_done_but_quiet(self) -> bool:
-        """Every member's push of our slice is in but the quiet members' (``peer.quiet``), and at
-        least one other member's is."""
+        """Some quiet member is still silent, every other member's push of our slice is in, and
+        at least one other member pushed (``peer.quiet``)."""
+        silent = self.silent_quiet()
         size = self.size(self.me)
-        rest = [i for i in range(self.n) if i != self.me and i not in self.dropped and i not in self.quiet]
-        return all(self.pushed[i] == size for i in rest) and any(self.pushed[i] for i in rest)
-
-    def means_done_but_quiet(self) -> bool:
-        """Every reduced part is in but the quiet reducers', and at least one other reducer's is."""
-        rest = [j for j in range(self.n) if j != self.me and j not in self.dropped and j not in self.quiet
-                and self.size(j)]
-        return all(self.got[j] == self.size(j) for j in rest) and any(self.got[j] for j in rest)
-
-    def agreed_but_quiet(self) -> bool:
-        """The agreement is complete but for reports of quiet members, and another member reported."""
-        waiting = self.took_part()
-        return (all(i in self.reports for i in waiting if i not in self.quiet)
-                and any(i in self.reports for i in waiting if i not in self.quiet)
-                and not self.wanted() and not self.unproven())
+        rest = [i for i in range(self.n) if i != self.me and i not in self.dropped and i not in silent]
+        return bool(silent) and all(self.pushed[i] == size for i in rest) and any(self.pushed[i] for i in rest)
 
     def held_elsewhere_at(self, grace: float) -> float:
         """When each part we lack will have been reported held by another member for ``grace``

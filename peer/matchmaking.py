@@ -158,12 +158,6 @@ class Matchmaker:
         node's live peers). Once all of them are in our batch, the
         batch closes at once instead of ``gap`` after its last join: everyone we know of is
         in, and waiting only delays the group (see the module docstring)."""
-        self.quiet: Callable[[bytes], bool] | None = None
-        """key -> whether it failed its part of our last round with it (``peer.quiet``): a
-        leader of ours that did and writes no record is not waited for to the deadline."""
-        self.leader_absent: Callable[[bytes], None] | None = None
-        """Called with our leader's key when it wrote no group record and we average with the
-        group as we see it: it has failed its part of this round (``peer.quiet``)."""
         self.distrusted = Distrust()
         """Keys we do not group with, nor follow as leaders: banned for a proven lie or a
         reduced part we refused, or suspended for an audit they did not answer (``peer.distrust``;
@@ -256,20 +250,6 @@ class Matchmaker:
         joins.setdefault(me, own)  # our own store may not be readable yet
         ok = [f for f in ours if self._consistent(f, seed, joins)]
         return min(ok, key=lambda f: rank(seed, f.members[0]), default=None)
-
-    async def _leader_wrote(self, fragment: int, round: int, numel: int, codec: str, seed: bytes,
-                            leader: bytes) -> bool:
-        """Whether ``leader`` wrote a valid group record for the round (naming us or not).
-
-        A follower whose leader wrote none by the deadline (or, for a leader that failed its
-        part of our last round with it, ``quiet``, soon after the batch window) averages with
-        the group it computed itself: every follower computes it alike from the same joins,
-        and its ID is the hash of its members, so they meet without a record. The leader is a
-        member that sends nothing then (``peer.quiet``). A key that joins every round and
-        never writes its record, ranked first, used to leave its followers averaging alone
-        (each with its own copy). A leader that wrote a record, whatever it says, is followed
-        or not as before: only its silence is taken as absence."""
-        return any(f.members[0] == leader for f in await self._read_groups(fragment, round, numel, codec, seed))
 
     def _consistent(self, f: GroupFormed, seed: bytes, joins: dict[bytes, _Join]) -> bool:
         """Whether record ``f`` is a group that the batch rule gives its leader over ``joins``
@@ -422,27 +402,14 @@ class Matchmaker:
         # join of the fragment's next round, which would then come too late for the others'
         # batch as well (a peer alone once would stay alone).
         give_up = deadline if len(mine) > 1 else min(deadline, wake + self.settle_s + 2 * self.poll_s)
-        adopt_at = deadline  # our leader wrote nothing: see _adopt
-        if len(mine) > 1 and self.quiet is not None and self.quiet(mine[0]):
-            adopt_at = min(deadline, wake + self.settle_s + 2 * self.poll_s)
         delay = self.poll_s / 8
         while True:
             found = await self._mine(fragment, round, numel, codec, seed, joins[me], mine[0], now)
             if found is not None:
                 return self._group(found)
-            if len(mine) > 1 and now() >= adopt_at and not await self._leader_wrote(fragment, round, numel, codec,
-                                                                                   seed, mine[0]):
-                log.info("our leader wrote no group record fragment=%d round=%d leader=%s: averaging with the "
-                         "group as we see it", fragment, round, peer_id_from_public_key(mine[0]))
-                if self.leader_absent is not None:
-                    self.leader_absent(mine[0])
-                return self._group(GroupFormed(run_id=self.run_id, fragment=fragment, round=round,
-                                               group_id=group_id_of(seed, mine), members=mine,
-                                               weights=tuple(joins[k].weight for k in mine), numel=numel,
-                                               codec=codec, deadline_s=self.swarm.allreduce_timeout_s))
             if now() >= give_up:
                 log.info("no group fragment=%d round=%d: averaging alone this round", fragment, round)
                 self._alone.setdefault(fragment, {})[round] = t_me
                 return None
-            await asyncio.sleep(max(0.0, min(delay, min(give_up, adopt_at) - now())))
+            await asyncio.sleep(max(0.0, min(delay, give_up - now())))
             delay = min(2 * delay, self.poll_s)

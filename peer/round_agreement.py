@@ -35,8 +35,6 @@ class AgreementMixin:
         for i in range(self.n):
             if i == self.me or i in self.gone or i in self.finals:  # finished: nothing more comes from it
                 continue
-            if i in self.waived and i not in self.reports:  # quiet, and waited for long enough (peer.quiet)
-                continue
             if i in self.reports:
                 out.append(i)
             elif self.peer_ids[i] in self.banned:
@@ -73,7 +71,7 @@ class AgreementMixin:
         it is banned: a banned member's report is never waited for (``took_part``), and one that
         pushed nothing and reported nothing would have made every round it was in unagreed."""
         late = [i for i, why in self.dropped.items() if why.startswith(LATE) and self.peer_ids[i] not in self.banned
-                and i not in self.quiet]  # one that failed us last round too (peer.quiet): a ghost's would never come
+                and not (i in self.cut and i not in self.heard)]  # silent through this round and the last (peer.quiet)
         return (self.agreed() and all(i in self.reports for i in late)
                 and all(self.visible(j) for j in self.convicted))
 

@@ -43,6 +43,7 @@ class IntakeMixin:
             return
         if i == self.me:
             return
+        self.heard.add(i)  # it is in this round (peer.quiet)
         msg = v.message
         if isinstance(msg, PartsHeld):  # also from a member we dropped: it may need our parts
             self._accept_report(i, msg)

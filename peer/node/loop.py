@@ -65,7 +65,7 @@ from peer.settings_store import load_settings
 from peer.statesync import StateServer
 from peer.sync_pipeline import InFlight, SyncPipeline, late_allowance
 from peer.worker import Worker
-from protocol.identity import peer_id_from_public_key, public_key_from_peer_id
+from protocol.identity import public_key_from_peer_id
 from protocol.manifest import SignedManifest, open_manifest
 from protocol.messages import Message
 from protocol.messages_control import (
@@ -160,8 +160,6 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             self.matchmaker = Matchmaker(self.net.dht, self.identity, self.run_id, swarm,
                                          max_weight=train.max_sync_tokens())
             self.matchmaker.expected = self._expected_joiners
-            self.matchmaker.quiet = lambda key: peer_id_from_public_key(key) in self.averager.quiet
-            self.matchmaker.leader_absent = lambda key: self.averager.quiet.mark(peer_id_from_public_key(key))
             self.state_server = StateServer(self.net.p2p, self.identity, self.run_id,
                                             chunk_bytes=swarm.state_chunk_bytes, max_concurrent=DONOR_SESSIONS)
             self.net.call(self.state_server.start(), timeout=30)

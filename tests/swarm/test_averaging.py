@@ -60,7 +60,6 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
     from peer.allreduce import Averager, Group
     from peer.identity_store import load_or_create_identity
     from peer.matchmaking import Matchmaker
-    from protocol.identity import peer_id_from_public_key
     from peer.network import Network, NetworkConfig
     from protocol.manifest import SwarmConfig
 
@@ -108,30 +107,16 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
                 else:
                     net.call(send_bad_slices(av, group, vec, me), 30)
                     out_q.put(("sent",))
-            elif cmd == "join_only":  # a ghost: joins a round (a valid JoinGroup) and does nothing more
-                round_, timeout_s, weight = args
-                from hivemind.utils import get_dht_time
-
-                from peer.matchmaking import JOIN_TTL_FACTOR, joins_key
-                from protocol.messages_swarm import JoinGroup
-
-                join = JoinGroup(run_id=RUN_ID, fragment=0, round=round_, weight=weight, numel=NUMEL)
-                stored = net.call(net.dht.store(joins_key(RUN_ID, 0, round_), seal(join, ident),
-                                                get_dht_time() + JOIN_TTL_FACTOR * timeout_s,
-                                                subkey=ident.public_key), 30)
-                out_q.put(("joined", stored))
             elif cmd == "match":
                 round_, group_size, timeout_s, seed, weight, max_weight = args
                 swarm = SwarmConfig(group_size=group_size, matchmaking_timeout_s=timeout_s, allreduce_timeout_s=10.0)
                 mm = Matchmaker(net.dht, ident, RUN_ID, swarm, poll_s=0.25, max_weight=max_weight)
-                mm.quiet = lambda key: peer_id_from_public_key(key) in av.quiet  # as peer.node sets them
-                mm.leader_absent = lambda key: av.quiet.mark(peer_id_from_public_key(key))
                 group = net.call(mm.form_group(0, round_, weight, NUMEL, "fp32"), 60)
                 if group is None:
-                    out_q.put(("matched", None, None, list(logs.lines)))
+                    out_q.put(("matched", None, None))
                     continue
                 out = net.call(av.allreduce(group, make_vector(seed), weight), 60)
-                out_q.put(("matched", dataclasses.asdict(group), out.average.numpy().tobytes(), list(logs.lines)))
+                out_q.put(("matched", dataclasses.asdict(group), out.average.numpy().tobytes()))
         net.call(av.shutdown(), 10)
 
 
@@ -153,28 +138,13 @@ def fault(av, behaviour: str) -> None:
     ``lose:first`` loses the first stream each peer opens to it, as the libp2p daemon can
     (the frame is never read, so never acknowledged: ``peer.outbox``); ``inflate:F`` reduces
     its part as it should, then multiplies the mean by F before it encodes, signs, sends and
-    keeps it: one consistent lie, the same bytes for everyone; ``mute`` pushes its slices and
-    then falls silent (no reduced part, report or final to anyone); ``honest`` none."""
+    keeps it: one consistent lie, the same bytes for everyone; ``honest`` none."""
     import asyncio
 
     av._deliver = type(av)._deliver.__get__(av)  # undo a fault of the previous command
     av._on_frame = type(av)._on_frame.__get__(av)
     av._encode = type(av)._encode.__get__(av)
-    av._report = type(av)._report.__get__(av)
-    av._tell_landed = type(av)._tell_landed.__get__(av)
     if behaviour == "honest":
-        return
-    if behaviour == "mute":  # pushes its slices, then sends nobody its reduced part, its report or its final
-        deliver = av._deliver
-
-        async def muted(rnd, j, frames, deadline, sent, drop_on_failure):
-            if frames is not rnd.frames.get(rnd.me):
-                await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
-
-        async def no_report(rnd, i, frames):
-            pass
-
-        av._deliver, av._report, av._tell_landed = muted, no_report, lambda rnd, members: None
         return
     kind, k = behaviour.split(":")
     if kind == "inflate":  # as a reducer, our mean times k to everyone (and held so ourselves)
@@ -619,7 +589,7 @@ def test_matchmaking_puts_five_peers_in_consistent_bounded_groups_and_a_lone_pee
         replies = [p.reply() for p in peers]
         groups: dict[bytes, tuple[bytes, ...]] = {}
         alone = []
-        for i, (kind, fields, avg, _) in enumerate(replies):
+        for i, (kind, fields, avg) in enumerate(replies):
             assert kind == "matched"
             if fields is None:
                 alone.append(i)
@@ -635,7 +605,7 @@ def test_matchmaking_puts_five_peers_in_consistent_bounded_groups_and_a_lone_pee
         assert len(alone) == (1 if group_size == 2 else 0)  # only the odd one out of 5 in pairs
 
     peers[0].cmd.put(("match", 3, 2, 3.0, 500, weights[0], 1e18))  # nobody else is ready for round 3
-    kind, fields, *_ = peers[0].reply()
+    kind, fields, _ = peers[0].reply()
     assert kind == "matched" and fields is None
 
 
@@ -673,7 +643,7 @@ def test_a_validly_signed_liar_moves_the_mean_a_bounded_amount_and_cannot_overwe
         p.cmd.put(("match", 7, 4, 4.0, 700 + i, heavy[i], 1e18 if i == 3 else 10.0))
     replies = [p.reply() for p in peers]
     keys = [p.public_key for p in peers]
-    for kind, group, *_ in replies[:3]:
+    for kind, group, _ in replies[:3]:
         assert kind == "matched" and group is not None and sorted(group["members"]) == sorted(keys[:3])
 
 

@@ -1,65 +1,78 @@
-"""Which members of a finished round fail their part (peer.quiet): what marks a member quiet,
-what clears it, and what marks nobody."""
+"""Which members of a finished round are marked quiet (peer.quiet), what clears a mark, what
+marks nobody, and when the push phase stops waiting for a quiet member (Round)."""
 
 from types import SimpleNamespace
 
+import torch
+
+from peer.allreduce import Group
+from peer.allreduce_round import Round
 from peer.quiet import CLEAR_AFTER, QUIET_GRACE, QuietMembers, grace
+from protocol.codecs import get_codec
+from protocol.identity import Identity
 
-N, SIZE = 4, 10
-
-
-def finished_round(me=0, pushed=None, got=None, reports=None, finals=(), banned=(), parts_held_by_others=()):
-    """A finished round of four members as ``QuietMembers.judge`` reads it: by default every
-    other member pushed all of our slice in time, sent us its part and reported."""
-    pushed = [SIZE] * N if pushed is None else pushed
-    got = [SIZE] * N if got is None else got
-    reports = {i: tuple(b"d" if j in parts_held_by_others else b"" for j in range(N)) for i in range(N) if i != me} \
-        if reports is None else reports
-    return SimpleNamespace(n=N, me=me, peer_ids=[f"peer{i}" for i in range(N)], pushed=pushed, pushed_in_time=pushed,
-                           got=got, reports=reports, finals=dict.fromkeys(finals, ()), banned=set(banned),
-                           excluded=frozenset(), size=lambda j: SIZE, holds=lambda j: got[j] == SIZE)
+N = 4
+GID = b"g" * 16
 
 
-def test_a_member_that_did_its_part_is_cleared_and_one_that_sent_nothing_is_marked():
+def finished_round(heard=(1, 2, 3), cut=(), banned=(), gid=GID, ids=None):
+    """A finished round of four members as ``QuietMembers.judge`` reads it (we are member 0)."""
+    return SimpleNamespace(n=N, me=0, peer_ids=ids or [f"peer{i}" for i in range(N)], heard=set(heard), cut=set(cut),
+                           banned=set(banned), excluded=frozenset(), group=SimpleNamespace(group_id=gid))
+
+
+def test_a_member_silent_through_a_round_is_marked_and_rounds_it_is_heard_in_clear_it():
     quiet = QuietMembers()
-    rnd = finished_round(pushed=[SIZE, SIZE, SIZE, 0], got=[SIZE, SIZE, SIZE, 0],
-                         reports={1: (b"",) * N, 2: (b"",) * N})
-    assert quiet.judge(rnd) == [3]
+    assert quiet.judge(finished_round(heard=(1, 2))) == [3]
     assert "peer3" in quiet and "peer1" not in quiet
-    assert quiet.of(rnd.peer_ids, 0) == frozenset({3})
-    for _ in range(CLEAR_AFTER - 1):  # whole rounds in a row clear it; a failure in between starts over
-        assert quiet.judge(finished_round()) == [] and "peer3" in quiet
-    assert quiet.judge(rnd) == [3]
+    assert quiet.of([f"peer{i}" for i in range(N)], 0) == frozenset({3})
     for _ in range(CLEAR_AFTER - 1):
+        assert quiet.judge(finished_round()) == [] and "peer3" in quiet
+    assert quiet.judge(finished_round(heard=(1, 2))) == [3]  # silent again: it starts over
+    for _ in range(CLEAR_AFTER):
         quiet.judge(finished_round())
-    assert "peer3" in quiet
-    quiet.judge(finished_round())
     assert "peer3" not in quiet
 
 
-def test_pushing_and_then_neither_reducing_nor_reporting_is_failing():
+def test_a_cut_member_keeps_its_mark_and_a_late_frame_of_that_round_counts_as_heard():
     quiet = QuietMembers()
-    got = [SIZE, 0, SIZE, SIZE]
-    reports = {2: (b"",) * N, 3: (b"",) * N}
-    assert quiet.judge(finished_round(got=got, reports=reports)) == [1]
-    # its part reached another member (it reported holding it) and it reported: not failing
-    assert quiet.judge(finished_round(got=got, parts_held_by_others=(1,))) == []
-    # a final report stands for a report (it finished before our agreement began)
-    assert quiet.judge(finished_round(reports={2: (b"",) * N, 3: (b"",) * N}, finals=(1,))) == []
+    quiet.judge(finished_round(heard=(1, 2)))
+    for k in range(CLEAR_AFTER):
+        gid = bytes([k]) * 16
+        assert quiet.judge(finished_round(heard=(1, 2), cut=(3,), gid=gid)) == []  # cut: neither marked again
+        assert "peer3" in quiet  # nor cleared
+        quiet.late(gid, "peer1")  # another member's late frame says nothing about it
+        quiet.late(gid, "peer3")  # its own, after we finished: it was late, not gone
+        quiet.late(gid, "peer3")  # counted once per round
+    assert "peer3" not in quiet
 
 
 def test_a_round_we_heard_nobody_in_marks_nobody_and_banned_members_are_left_to_the_bans():
     quiet = QuietMembers()
-    silent = finished_round(pushed=[SIZE, 0, 0, 0], got=[SIZE, 0, 0, 0], reports={})
-    assert quiet.judge(silent) == [] and len(quiet) == 0  # our own outage, or we are early
-    assert quiet.judge(finished_round(pushed=[SIZE, SIZE, SIZE, 0], banned={"peer3"})) == []
+    assert quiet.judge(finished_round(heard=())) == [] and len(quiet) == 0  # our own outage, or we are early
+    assert quiet.judge(finished_round(heard=(1, 2), banned={"peer3"})) == []
 
 
 def test_marks_are_bounded_and_the_grace_grows_with_the_others_time():
     quiet = QuietMembers(capacity=2)
     for k in range(5):
-        rnd = finished_round(pushed=[SIZE, SIZE, SIZE, 0])
-        rnd.peer_ids = [f"a{k}", f"b{k}", f"c{k}", f"ghost{k}"]
-        quiet.judge(rnd)
+        quiet.judge(finished_round(heard=(1, 2), ids=[f"a{k}", f"b{k}", f"c{k}", f"ghost{k}"]))
     assert len(quiet) == 2 and "ghost4" in quiet and "ghost0" not in quiet
     assert grace(20.0, 0.3) == QUIET_GRACE * 20.0 and grace(20.0, 7.0) == 7.0
+
+
+def test_the_push_phase_stops_waiting_only_for_quiet_members_not_heard_from_once_another_pushed():
+    keys = [Identity.from_seed(bytes([i + 1]) * 32).public_key for i in range(N)]
+    group = Group(run_id=b"r" * 20, fragment=0, round=1, group_id=GID, members=tuple(keys), weights=(1.0,) * N,
+                  numel=1024, codec="fp32", deadline_s=10.0)
+    rnd = Round(group, 0, torch.zeros(1024), get_codec("fp32"))
+    size = rnd.size(0)
+    assert not rnd.pushes_done_but_quiet()  # nobody is quiet
+    rnd.quiet = frozenset({3})
+    assert not rnd.pushes_done_but_quiet()  # nobody else pushed yet: we may be early
+    rnd.pushed[1] = size
+    assert not rnd.pushes_done_but_quiet()  # member 2, not quiet, is still to come
+    rnd.pushed[2] = size
+    assert rnd.pushes_done_but_quiet() and rnd.silent_quiet() == [3]
+    rnd.heard.add(3)  # a frame of any kind from it: the full wait again
+    assert not rnd.pushes_done_but_quiet() and rnd.silent_quiet() == []
