@@ -17,7 +17,8 @@ from pair to pair, so a machine that gets busier over the bench does not favour 
 Per pair: the honest peers' mean held-out loss in each run, the difference in percent of the
 baseline's, whether the honest peers ended on one global copy, and how many syncs they
 averaged alone. Then the mean difference over the pairs with a 95% confidence interval
-(Student's t). Each pair is a run of its own (a manifest of its own, so another run ID, which
+(Student's t), and the wall time of each run (baseline/attacked, and their ratio). Each pair
+is a run of its own (a manifest of its own, so another run ID, which
 seeds the data order): the runs of one manifest on this machine came out the same to the last
 digit, quiet and beside two busy loops (``--busy 2``), so pairs of one manifest would measure
 one outcome again and again. Across runs the liar's cost varies with which part it reduces in
@@ -27,6 +28,8 @@ its groups and the groups' order.
     python bench/liar.py --pairs 2 --rounds 6     # ~8 min
     python bench/liar.py --lies lie:push1e30+short+replay+equivocate --busy 2
     python bench/liar.py --follow --pairs 3      # the run's default pacing: honest peers may skip steps
+    python bench/liar.py --lies lie:ghost --pairs 1 --rounds 8 --allreduce-timeout 20   # a key that joins and
+                                                  # sends nothing: what it costs in time (wall x)
 """
 
 from __future__ import annotations
@@ -167,7 +170,8 @@ def main() -> int:
                          "diff_pct": 100.0 * (a["loss"] - b["loss"]) / b["loss"],
                          "agree": f"{b['agree']}/{a['agree']}", "alone": f"{b['alone']}/{a['alone']}",
                          "skipped": f"{b['skipped']}/{a['skipped']}", "trained": f"{b['trained']}/{a['trained']}",
-                         "wall_s": b["wall_s"] + a["wall_s"], "runs": runs})
+                         "wall": f"{b['wall_s']:.0f}/{a['wall_s']:.0f}", "wall_ratio": a["wall_s"] / b["wall_s"],
+                         "runs": runs})
     finally:
         for p in busy:
             p.kill()
@@ -180,7 +184,7 @@ def main() -> int:
     print_table(rows, [("pair", "pair", "d"), ("first", "first", "s"), ("baseline", "baseline", ".4f"),
                        ("attacked", "attacked", ".4f"), ("diff_pct", "diff %", "+.2f"), ("agree", "agree", "s"),
                        ("alone", "alone", "s"), ("skipped", "skipped", "s"),
-                       ("trained", "trained", "s"), ("wall_s", "wall s", ".0f")])
+                       ("trained", "trained", "s"), ("wall", "wall s", "s"), ("wall_ratio", "wall x", ".2f")])
     diffs = [r["diff_pct"] for r in rows]
     mean = statistics.fmean(diffs)
     half = t95(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.inf

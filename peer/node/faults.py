@@ -19,7 +19,10 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
 - ``disown``: as a reducer, sends its witnesses its own slice negated (validly signed) while
   its mean commits to, and averages, the true one (``peer.round_witness``);
 - ``blind``: as a reducer, sends its witnesses nothing, so that none can vouch for its own
-  slice and the screen must take it as anything up to the clip.
+  slice and the screen must take it as anything up to the clip;
+- ``ghost``: joins every round another peer joins (a valid ``JoinGroup``; it follows the group
+  record, or writes it as a leader) and then sends nothing at all, nor answers an audit; it
+  averages its own rounds alone, at the others' pace (``make_ghost``).
 
 The member lied to or withheld from is the one after it in the group's order.
 
@@ -46,7 +49,7 @@ from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 
 LIES = frozenset({"push1000", "push1e30", "mean1000", "negate", "equivocate", "withhold", "replay", "short", "mute",
-                  "disown", "blind"})
+                  "disown", "blind", "ghost"})
 
 
 def parse_lies(fault: str) -> frozenset[str]:
@@ -104,6 +107,45 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
     averager.allreduce, averager._encode, averager._deliver = lying_allreduce, lying_encode, lying_deliver
     if "mute" in lies:
         averager.audits.answer = lambda peer_id, msg: None
+
+
+def make_ghost(matchmaker: Any, averager: Any) -> None:
+    """The ``ghost`` lie: ``matchmaker.form_group`` returns None (our own rounds are averaged
+    alone) once another peer has joined that round, so we keep the others' pace; from its first
+    call on, a task joins every round of our fragments that another peer has joined, through
+    the real ``form_group``, whose group is then never averaged: the honest members wait for a
+    member that sends nothing."""
+    form, formats, nxt, tasks = matchmaker.form_group, {}, {}, set()
+
+    async def haunt() -> None:
+        from hivemind.utils import get_dht_time
+
+        me = matchmaker.identity.public_key
+        while True:
+            for fragment, (weight, numel, codec) in list(formats.items()):
+                r = nxt.get(fragment, 0)
+                for q in (r, r + 1, r + 2):
+                    if any(k != me for k in await matchmaker._read_joins(fragment, q, numel, get_dht_time())):
+                        t = asyncio.get_running_loop().create_task(form(fragment, q, weight, numel, codec))
+                        tasks.add(t)
+                        t.add_done_callback(tasks.discard)
+                        nxt[fragment] = q + 1
+                        break
+            await asyncio.sleep(0.2)
+
+    async def ghost_form(fragment: int, round_: int, weight: float, numel: int, codec: str, **kw: Any) -> None:
+        formats[fragment] = (weight, numel, codec)
+        if not tasks:
+            t = asyncio.get_running_loop().create_task(haunt())
+            tasks.add(t)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 4 * matchmaker.swarm.matchmaking_timeout_s
+        while nxt.get(fragment, 0) <= round_ and loop.time() < end:  # at the others' pace, not ahead of them
+            await asyncio.sleep(0.2)
+        return None
+
+    matchmaker.form_group = ghost_form
+    averager.audits.answer = lambda peer_id, msg: None
 
 
 def _scaled(averager: Any, frame: bytes, factor: float) -> bytes:

@@ -57,7 +57,7 @@ from peer.node.syncs import SyncMixin
 from peer.node.volunteer import VolunteerMixin, _LogToControl
 from peer.node.worker_state import WorkerStateMixin
 from peer.metrics import MetricsServer
-from peer.node.faults import make_liar, make_staller, parse_lies, parse_stall
+from peer.node.faults import make_ghost, make_liar, make_staller, parse_lies, parse_stall
 from peer.pace import SwarmClock
 from peer.presence import Presence
 from peer.ratelimit import RateLimiter
@@ -160,6 +160,8 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             self.matchmaker = Matchmaker(self.net.dht, self.identity, self.run_id, swarm,
                                          max_weight=train.max_sync_tokens())
             self.matchmaker.expected = self._expected_joiners
+            if "ghost" in lies:  # the swarm tests' ghost (peer.node.faults)
+                make_ghost(self.matchmaker, self.averager)
             self.state_server = StateServer(self.net.p2p, self.identity, self.run_id,
                                             chunk_bytes=swarm.state_chunk_bytes, max_concurrent=DONOR_SESSIONS)
             self.net.call(self.state_server.start(), timeout=30)
