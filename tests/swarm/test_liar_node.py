@@ -252,3 +252,23 @@ def test_a_reducer_that_never_shows_its_inputs_is_suspended_by_its_auditors_then
         text = (workdir / f"peer{i}.log").read_text()
         assert f"banned peer={liar}" not in text and f"reducer={liar}" in text, f"peer {i}: {text[-2000:]}"
     _agreed(events.drain(), (0, 1))
+
+
+def test_a_ghost_that_joins_every_group_and_sends_nothing_is_waited_for_once_then_briefly(tmp_path, demos):
+    """Peer 3 joins every round the honest peers join, follows (or writes) the group record and
+    then sends nothing at all (``lie:ghost``). Nothing it does is a proven lie, so nobody bans
+    it; each honest peer waits the push deadline for it once, then marks it quiet
+    (``peer.quiet``), and in its later groups with it drops it soon after the others pushed,
+    as late. The honest peers land one result in every group they share."""
+    setup = _setup(tmp_path)
+    demo, seen = run(tmp_path / "attacked", demos, 4, setup, rounds=4,
+                     envs={3: {"SWARMSTREAM_FAULT": "lie:ghost"}, **{i: {"SWARMSTREAM_LOG": "INFO"} for i in HONEST}})
+    with_ghost = [ev for i, ev in seen if i in HONEST and ev.get("event") == "synced" and ev["group_size"] == 4]
+    assert with_ghost, "the ghost was never in a group with the honest peers"
+    ghost = peer_id_from_public_key(load_or_create_identity(setup / "peer3.key").public_key)
+    for i in HONEST:
+        text = (tmp_path / "attacked" / f"peer{i}.log").read_text()
+        assert f"reason=timeout:slice not received in time peer={ghost}" in text, f"peer {i}: {text[-2000:]}"
+        assert f"reason=timeout:slice not received, quiet: silent in our last round with it too peer={ghost}" in text
+        assert f"banned peer={ghost}" not in text
+    _agreed(seen, HONEST)
