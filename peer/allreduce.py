@@ -105,7 +105,7 @@ from peer.allreduce_round import Round
 from peer.allreduce_send import SendMixin, encode_chunks
 from peer.audit import Audits
 from peer.inbox import PendingFrames, StreamEnded, StreamGate
-from peer.quiet import QuietMembers
+from peer.quiet import DEADLINE_DROP, QuietMembers
 from peer.quiet import grace as quiet_grace
 from peer.ratelimit import RateLimiter
 from protocol.butterfly import HEAD_ROOM, chunk_elements
@@ -329,7 +329,7 @@ class Averager(InboundMixin, SendMixin):
                     if i in silent:
                         rnd.cut.add(i)
                     rnd.drop(i, "timeout:slice not received, quiet: silent in our last round with it too"
-                             if i in silent else "timeout:slice not received in time")
+                             if i in silent else DEADLINE_DROP)
 
             if rnd.size(me):
                 mean, contrib, total = rnd.reduce()

@@ -86,14 +86,14 @@ class InboundMixin:
             if isinstance(v.message, PartsHeld) and rnd.agreeing:
                 self._forward(rnd, rnd.tasks)
         elif gid in self._recent and isinstance(v.message, PartsHeld):
-            self.quiet.late(gid, peer_id)
             rnd = self._recent[gid]
             rnd.accept(peer_id, v, nbytes, data)  # a member late to the agreement: it may lack a part
             self._forward(rnd, self._side_tasks)
-            if not v.message.final and peer_id in rnd.index:  # and it should know what we landed
-                self._tell_landed(rnd, [rnd.index[peer_id]])
+            if not v.message.final and peer_id in rnd.index:  # and it should know what we landed, again if
+                self._tell_landed(rnd, [rnd.index[peer_id]], again=True)  # it reports (our final may be lost)
         elif gid in self._finished:
-            self.quiet.late(gid, peer_id)  # late, not gone (peer.quiet)
+            if isinstance(v.message, PushSlice):
+                self.quiet.late(gid, peer_id)  # late, not gone (peer.quiet)
             log.debug("frame for a finished group dropped peer=%s group=%s", peer_id, gid.hex())
             return None
         elif not self._pending.add(gid, peer_id, v, nbytes, data,  # a banned member's earliness decides nothing

@@ -159,6 +159,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         nothing from one in this round, the push phase waits for it only briefly once the others
         have pushed."""
         self.heard: set[int] = set()  # members a verified frame of this group came from
+        self.pushers: set[int] = set()  # members a verified push of this group came from (to us, or witnessed)
         self.cut: set[int] = set()  # quiet members the push phase stopped waiting for (``peer.quiet``)
         # reduced parts from the other reducers: elements covered and contributors seen
         self.got = [0] * self.n
@@ -205,8 +206,10 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         return all(j == self.me or j in self.dropped or self.got[j] == self.size(j) for j in range(self.n))
 
     def silent_quiet(self) -> list[int]:
-        """The quiet members we have heard nothing from in this round (``peer.quiet``)."""
-        return [i for i in self.quiet if i not in self.heard and i not in self.dropped]
+        """The quiet members no push has come from in this round (``peer.quiet``): a report
+        alone does not restore the full wait (one tiny frame per round would cost every round
+        the deadline again), and one that reported is waited for in the agreement anyway."""
+        return [i for i in self.quiet if i not in self.pushers and i not in self.dropped]
 
     def pushes_done_but_quiet(self) -> bool:
         """Some quiet member is still silent, every other member's push of our slice is in, and

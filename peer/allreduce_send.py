@@ -54,9 +54,10 @@ class SendMixin:
             else:
                 tasks.append(task)
 
-    def _tell_landed(self, rnd: Round, members: list[int]) -> None:
-        """Send ``members`` our final report: the parts we landed (``Round.landed``), each once."""
-        members = [i for i in members if i not in rnd.told and i != rnd.me]
+    def _tell_landed(self, rnd: Round, members: list[int], again: bool = False) -> None:
+        """Send ``members`` our final report: the parts we landed (``Round.landed``), each once
+        (``again``: also to one told already, in answer to its report: one frame per report)."""
+        members = [i for i in members if (again or i not in rnd.told) and i != rnd.me]
         if not rnd.landed or not members:
             return
         g = rnd.group

@@ -5,27 +5,30 @@ proven lie, and a timeout proves nothing, so it is not banned; but the push dead
 for an honest member that is late, and the ghost would hold every group it is in to it
 (``deadline_s`` per sync, for good).
 
-So the averager remembers the members from which not one frame of a round came while it
-waited for them the whole push deadline (and it heard from another member of that round: a
-round in which we heard nobody, our own outage or our own earliness, marks nobody). Such a
-member is *quiet*. In our next round with it, as long as we have heard nothing from it in that
-round, the push phase waits for it only ``max(QUIET_GRACE x deadline_s, the others' time)``
-once every other member has pushed (and at least one has); then it is dropped as late, as at
-the deadline. A frame from it in the meantime, of any kind, restores the full wait.
+So the averager remembers the members from which no push of a round came while it waited
+for them the whole push deadline (and it heard from another member of that round: a round in
+which we heard nobody, our own outage or our own earliness, marks nobody). Such a member is
+*quiet*. In our next round with it, as long as no push of it has come in that round (to us,
+or its own slice to us as its witness), the push phase waits for it only
+``max(QUIET_GRACE x deadline_s, the others' time)`` once every other member has pushed (and at
+least one has); then it is dropped as late, as at the deadline. A push from it in the meantime
+restores the full wait. A report alone does not: one tiny frame per round would cost every
+round the deadline again, and a member that reported is waited for in the agreement anyway.
 
-Why this cannot split honest members: only a member we have heard nothing from in the round
-is dropped early, and dropping it at the push phase is what the deadline does to a member that
+Why this cannot split honest members: only a member no push of which has come in the round is
+dropped early, and dropping it at the push phase is what the deadline does to a member that
 has not started yet (members reach the round, so their deadlines, at different moments, and
 the agreement that follows, ``peer.allreduce_round``, gives them one result whatever each
 dropped). A member that took part in any way is waited for and its report awaited as before.
 With no other member done (a group of two, or we are early), the quiet one gets the full wait,
 so the phase lock of a shared round's end (``peer.matchmaking``) stays.
 
-Clearing. A round in which it is heard counts towards clearing the mark (``CLEAR_AFTER`` in a
-row); so does a frame of a round it was cut from that reaches us after we finished it (it was
+Clearing. A round in which it pushes counts towards clearing the mark (``CLEAR_AFTER`` of
+them); so does a push of a round it was cut from that reaches us after we finished it (it was
 late, not gone: an honest member that fell behind would otherwise be cut from every round and
-never catch the group's pace again). A ghost that speaks in some rounds costs a full deadline
-only once every ``CLEAR_AFTER + 1`` of them.
+never catch the group's pace again). A key that pushes in some rounds and is silent in the
+others costs a full deadline once every ``CLEAR_AFTER + 1`` rounds, and pushes (honest data,
+screened as anyone's) in the rest.
 
 What it costs an honest member: one silent through a whole push deadline (frozen, or following
 another record) and then, in the next rounds, late by more than the grace loses its
@@ -40,10 +43,11 @@ from typing import Any
 __all__ = ["QUIET_GRACE", "QuietMembers", "grace"]
 
 QUIET_GRACE = 0.1  # of deadline_s: how long the push phase waits for silent quiet members once the others pushed
-CLEAR_AFTER = 3  # rounds it is heard in that clear a mark (one would let a ghost that speaks every other
+CLEAR_AFTER = 3  # rounds it pushes in that clear a mark (one would let a ghost that pushes every other
 # round cost a full deadline every other round)
 MAX_QUIET = 4096  # peers remembered (the oldest marks go first)
-MAX_CUT_ROUNDS = 64  # finished rounds whose cut members a late frame still clears
+MAX_CUT_ROUNDS = 64  # finished rounds whose cut members a late push still clears
+DEADLINE_DROP = "timeout:slice not received in time"  # peer.allreduce's reason at the push deadline
 
 
 def grace(deadline_s: float, elapsed: float) -> float:
@@ -71,9 +75,9 @@ class QuietMembers:
         return frozenset(i for i, p in enumerate(peer_ids) if i != me and p in self._marks)
 
     def judge(self, rnd: Any) -> list[int]:
-        """After a round: mark each member we heard nothing from while we waited the whole push
-        deadline for it; count a round for each marked one we heard from, and clear it after
-        ``CLEAR_AFTER``; leave one we cut and did not hear from as it is. Members banned for a
+        """After a round: mark each member no push came from while we waited the whole push
+        deadline for it; count a round for each marked one that pushed, and clear it after
+        ``CLEAR_AFTER``; leave one we cut and that did not push as it is. Members banned for a
         lie are left to ``peer.bans``; a round in which we heard no other member marks nobody.
         -> the indices marked."""
         marked = []
@@ -81,11 +85,11 @@ class QuietMembers:
             peer_id = rnd.peer_ids[i]
             if i == rnd.me or peer_id in rnd.banned or i in rnd.excluded or not rnd.heard - {i}:
                 continue
-            if i in rnd.heard:
+            if i in rnd.pushers:
                 self._heard(peer_id)
             elif i in rnd.cut:
                 self._cut.setdefault(bytes(rnd.group.group_id), set()).add(peer_id)
-            else:
+            elif rnd.dropped.get(i) == DEADLINE_DROP:  # we waited the whole push deadline for it
                 self._marks[peer_id] = 0
                 self._marks.move_to_end(peer_id)
                 marked.append(i)
@@ -96,7 +100,7 @@ class QuietMembers:
         return marked
 
     def late(self, group_id: bytes, peer_id: str) -> None:
-        """A frame of a round we finished came from ``peer_id``: if we had cut it from that
+        """A push of a round we finished came from ``peer_id``: if we had cut it from that
         round, it was late, not gone (counts as a round heard)."""
         cut = self._cut.get(bytes(group_id))
         if cut is not None and peer_id in cut:

@@ -45,6 +45,8 @@ class IntakeMixin:
             return
         self.heard.add(i)  # it is in this round (peer.quiet)
         msg = v.message
+        if isinstance(msg, PushSlice):
+            self.pushers.add(i)  # on time or not: it pushed, it is not gone (peer.quiet)
         if isinstance(msg, PartsHeld):  # also from a member we dropped: it may need our parts
             self._accept_report(i, msg)
             return
@@ -100,6 +102,7 @@ class IntakeMixin:
             log.warning("rejected forwarded part reason=not_a_member peer=%s group=%s", forwarder,
                         self.group.group_id.hex())
             return
+        self.heard.add(f)
         if not self.agreeing:
             return  # unasked for
         if self.holds(j) or j in self.convicted:  # here already: the same mean, or proof of another

@@ -7,7 +7,7 @@ import torch
 
 from peer.allreduce import Group
 from peer.allreduce_round import Round
-from peer.quiet import CLEAR_AFTER, QUIET_GRACE, QuietMembers, grace
+from peer.quiet import CLEAR_AFTER, DEADLINE_DROP, QUIET_GRACE, QuietMembers, grace
 from protocol.codecs import get_codec
 from protocol.identity import Identity
 
@@ -15,10 +15,16 @@ N = 4
 GID = b"g" * 16
 
 
-def finished_round(heard=(1, 2, 3), cut=(), banned=(), gid=GID, ids=None):
-    """A finished round of four members as ``QuietMembers.judge`` reads it (we are member 0)."""
-    return SimpleNamespace(n=N, me=0, peer_ids=ids or [f"peer{i}" for i in range(N)], heard=set(heard), cut=set(cut),
-                           banned=set(banned), excluded=frozenset(), group=SimpleNamespace(group_id=gid))
+def finished_round(heard=(1, 2, 3), cut=(), banned=(), gid=GID, ids=None, reported=(), unreachable=()):
+    """A finished round of four members as ``QuietMembers.judge`` reads it (we are member 0):
+    ``heard`` pushed to us, ``reported`` only reported; the others were dropped at the push
+    deadline, or at once as ``unreachable``."""
+    dropped = {i: "unreachable:gone" if i in unreachable else DEADLINE_DROP
+               for i in range(1, N) if i not in heard and i not in cut}
+    dropped.update({i: "timeout:slice not received, quiet" for i in cut})
+    return SimpleNamespace(n=N, me=0, peer_ids=ids or [f"peer{i}" for i in range(N)], heard=set(heard) | set(reported),
+                           pushers=set(heard), cut=set(cut), dropped=dropped, banned=set(banned),
+                           excluded=frozenset(), group=SimpleNamespace(group_id=gid))
 
 
 def test_a_member_silent_through_a_round_is_marked_and_rounds_it_is_heard_in_clear_it():
@@ -29,6 +35,7 @@ def test_a_member_silent_through_a_round_is_marked_and_rounds_it_is_heard_in_cle
     for _ in range(CLEAR_AFTER - 1):
         assert quiet.judge(finished_round()) == [] and "peer3" in quiet
     assert quiet.judge(finished_round(heard=(1, 2))) == [3]  # silent again: it starts over
+    assert quiet.judge(finished_round(heard=(1, 2), reported=(3,))) == [3]  # a report is no push
     for _ in range(CLEAR_AFTER):
         quiet.judge(finished_round())
     assert "peer3" not in quiet
@@ -51,6 +58,7 @@ def test_a_round_we_heard_nobody_in_marks_nobody_and_banned_members_are_left_to_
     quiet = QuietMembers()
     assert quiet.judge(finished_round(heard=())) == [] and len(quiet) == 0  # our own outage, or we are early
     assert quiet.judge(finished_round(heard=(1, 2), banned={"peer3"})) == []
+    assert quiet.judge(finished_round(heard=(1, 2), unreachable=(3,))) == []  # not waited for: says nothing
 
 
 def test_marks_are_bounded_and_the_grace_grows_with_the_others_time():
@@ -74,5 +82,7 @@ def test_the_push_phase_stops_waiting_only_for_quiet_members_not_heard_from_once
     assert not rnd.pushes_done_but_quiet()  # member 2, not quiet, is still to come
     rnd.pushed[2] = size
     assert rnd.pushes_done_but_quiet() and rnd.silent_quiet() == [3]
-    rnd.heard.add(3)  # a frame of any kind from it: the full wait again
+    rnd.heard.add(3)  # a report alone: still silent (one tiny frame per round must not cost the deadline)
+    assert rnd.pushes_done_but_quiet()
+    rnd.pushers.add(3)  # a push of its, to us: the full wait again
     assert not rnd.pushes_done_but_quiet() and rnd.silent_quiet() == []
