@@ -70,8 +70,7 @@ class AgreementMixin:
         round, but it may still have landed parts: without its report we cannot tell), unless
         it is banned: a banned member's report is never waited for (``took_part``), and one that
         pushed nothing and reported nothing would have made every round it was in unagreed."""
-        late = [i for i, why in self.dropped.items() if why.startswith(LATE) and self.peer_ids[i] not in self.banned
-                and not (i in self.cut and i not in self.heard)]  # silent through this round and the last (peer.quiet)
+        late = [i for i, why in self.dropped.items() if why.startswith(LATE) and self.peer_ids[i] not in self.banned]
         return (self.agreed() and all(i in self.reports for i in late)
                 and all(self.visible(j) for j in self.convicted))
 

@@ -52,11 +52,11 @@ def test_a_ghost_member_holds_one_round_to_its_deadline_and_the_next_only_briefl
             if n == 0:  # a first silence: waited for to the push deadline, as any late member
                 assert any("slice not received in time" in ln for ln in dropped_lines)
                 assert elapsed > deadline - 0.5
-                assert not extra["agreed"]  # a late member's report never came: compare states after it
             else:  # it failed the round before: dropped soon after the others pushed
                 assert any(QUIET in ln for ln in dropped_lines), dropped_lines
                 assert elapsed < deadline
-                assert extra["agreed"]  # a ghost's report is not waited for, nor needed to agree
+            # a late member's report never came: it may have landed parts, so compare states after it
+            assert not extra["agreed"]
     # it comes back and does its part: counted like anyone again
     fields = group_fields(peers, weights, "fp32", group_id=b"ghost-back".ljust(16, b"\0"), deadline_s=deadline)
     replies = _round(peers, [ghost, *honest], fields, seeds)
