@@ -243,7 +243,7 @@ class Averager(InboundMixin, SendMixin):
         self._side_tasks: set[asyncio.Task[None]] = set()  # forwards for finished rounds
         self._started = False
         self.quiet = QuietMembers()
-        """Peers that failed their part in our last round with them: a short wait (``peer.quiet``)."""
+        """Peers that pushed nothing in our last round with them: a short wait (``peer.quiet``)."""
 
     # --- lifecycle ----------------------------------------------------------------------
 

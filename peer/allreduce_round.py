@@ -155,8 +155,8 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         self.vouches: dict[int, dict[int, tuple[float, float]]] = {}  # part -> witness -> (norm, dot) it vouched
         self.pushed = [0] * self.n
         self.quiet: frozenset[int] = frozenset()
-        """Members silent through our last round with them (``peer.quiet``): while we have heard
-        nothing from one in this round, the push phase waits for it only briefly once the others
+        """Members that pushed nothing in our last round with them (``peer.quiet``): while no push
+        of one has come in this round, the push phase waits for it only briefly once the others
         have pushed."""
         self.heard: set[int] = set()  # members a verified frame of this group came from
         self.pushers: set[int] = set()  # members a verified push of this group came from (to us, or witnessed)
