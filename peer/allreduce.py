@@ -147,6 +147,9 @@ class Group:
     formed_at: int = 0
     """Our sync count when it formed (``peer.distrust``'s clock): an audit's verdict on a group
     formed before a suspension began belongs to that suspension."""
+    idle: tuple[int, ...] = ()
+    """Members that reduce no slice (``GroupFormed.idle``: their slices are empty,
+    ``protocol.butterfly.slice_bounds``)."""
 
 
 @dataclass(slots=True)

@@ -115,7 +115,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         late member gets, and the member that banned it first, having dropped it as late, ran
         seconds ahead of the others: on CI they then timed out on each other for rounds)."""
         self.n = len(group.members)
-        self.bounds = slice_bounds(group.numel, self.n)
+        self.bounds = slice_bounds(group.numel, self.n, group.idle)
         self.peer_ids = [peer_id_from_public_key(k) for k in group.members]
         self.index = {p: i for i, p in enumerate(self.peer_ids)}
         self.vector = vector  # (numel,) fp32, our own values

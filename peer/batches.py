@@ -78,5 +78,11 @@ def busiest_batch(times: list[float], gap_s: float, span_s: float) -> float:
     return max(batches, key=len)[0]  # max keeps the first of equals: the earliest
 
 
-def group_id_of(seed: bytes, members: tuple[bytes, ...]) -> bytes:
-    return hashlib.sha256(b"swarmstream/group-id/v1\0" + seed + b"".join(members)).digest()[:GROUP_ID_BYTES]
+def group_id_of(seed: bytes, members: tuple[bytes, ...], idle: tuple[int, ...] = ()) -> bytes:
+    """A group's ID: its members, in order, and those of them that reduce nothing (``idle``), so
+    two records that cut the fragment differently are two groups (a leader writing both could
+    otherwise make honest members refuse each other's frames as off their slices)."""
+    if not idle:
+        return hashlib.sha256(b"swarmstream/group-id/v1\0" + seed + b"".join(members)).digest()[:GROUP_ID_BYTES]
+    return hashlib.sha256(b"swarmstream/group-id/v2\0" + seed + len(members).to_bytes(2, "big") + b"".join(members)
+                          + bytes(idle)).digest()[:GROUP_ID_BYTES]

@@ -106,6 +106,7 @@ from hivemind.utils import get_dht_time
 from peer.allreduce import Group
 from peer.batches import assign_groups, batch_of, busiest_batch, group_id_of, groups_key, joins_key, rank, round_seed
 from peer.distrust import Distrust
+from protocol.butterfly import max_idle
 from protocol.envelope import seal, verify
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.identity import Identity, peer_id_from_public_key
@@ -158,6 +159,9 @@ class Matchmaker:
         node's live peers). Once all of them are in our batch, the
         batch closes at once instead of ``gap`` after its last join: everyone we know of is
         in, and waiting only delays the group (see the module docstring)."""
+        self.quiet: Callable[[str], bool] | None = None
+        """Whether a peer ID pushed nothing in our averager's last round with it (``peer.quiet``):
+        in the groups we lead, it reduces no slice (``_idle``)."""
         self.distrusted = Distrust()
         """Keys we do not group with, nor follow as leaders: banned for a proven lie or a
         reduced part we refused, or suspended for an audit they did not answer (``peer.distrust``;
@@ -217,7 +221,7 @@ class Matchmaker:
                     raise RemoteProtocolError("the writer is not the group's first member")
                 if not 2 <= len(msg.members) <= self.swarm.group_size:
                     raise RemoteProtocolError(f"{len(msg.members)} members, not in [2, {self.swarm.group_size}]")
-                if msg.group_id != group_id_of(seed, msg.members):
+                if msg.group_id != group_id_of(seed, msg.members, msg.idle):
                     raise RemoteProtocolError("the group ID is not the hash of its members")
                 if msg.numel != numel or msg.codec != codec:
                     raise RemoteProtocolError(f"numel/codec {msg.numel}/{msg.codec} are not ours ({numel}/{codec})")
@@ -266,12 +270,20 @@ class Matchmaker:
                 return True
         return False
 
+    def _idle(self, members: tuple[bytes, ...]) -> tuple[int, ...]:
+        """The members of the group we lead that reduce nothing (``GroupFormed.idle``): those
+        that pushed nothing in our last round with them (``quiet``), up to ``max_idle``. A
+        ghost's slice would fall back every round: its part's update lost on every member."""
+        if self.quiet is None:
+            return ()
+        return tuple(i for i, k in enumerate(members) if i and self.quiet(peer_id_from_public_key(k)))[:max_idle(len(members))]
+
     def _group(self, f: GroupFormed) -> Group:
         self._alone.clear()  # we are in step with a group again: old offsets no longer apply
         self._waited.clear()
         return Group(run_id=self.run_id, fragment=f.fragment, round=f.round, group_id=bytes(f.group_id),
                      members=tuple(bytes(m) for m in f.members), weights=tuple(f.weights), numel=f.numel,
-                     codec=f.codec, deadline_s=f.deadline_s, formed_at=self.distrusted.syncs)
+                     codec=f.codec, deadline_s=f.deadline_s, formed_at=self.distrusted.syncs, idle=tuple(f.idle))
 
     async def wait_for_others(self, fragment: int, round: int, numel: int, timeout_s: float, *,
                               now: Callable[[], float] = get_dht_time) -> str:
@@ -380,10 +392,13 @@ class Matchmaker:
             taken = await self._mine(fragment, round, numel, codec, seed, joins[me], me, now)
             if taken is not None and rank(seed, taken.members[0]) < rank(seed, me):
                 return self._group(taken)  # a leader ranked before us already named us: follow it
+            idle = self._idle(mine)
+            if idle:
+                log.info("quiet members reduce nothing fragment=%d round=%d idle=%s", fragment, round, list(idle))
             formed = GroupFormed(run_id=self.run_id, fragment=fragment, round=round,
-                                 group_id=group_id_of(seed, mine), members=mine,
+                                 group_id=group_id_of(seed, mine, idle), members=mine,
                                  weights=tuple(joins[k].weight for k in mine), numel=numel, codec=codec,
-                                 deadline_s=self.swarm.allreduce_timeout_s)
+                                 deadline_s=self.swarm.allreduce_timeout_s, idle=idle)
             expiration = now() + self.swarm.matchmaking_timeout_s + self.swarm.allreduce_timeout_s
             if not await self.dht.store(groups_key(self.run_id, fragment, round), seal(formed, self.identity),
                                         expiration, subkey=me):

@@ -48,17 +48,33 @@ def on_grid(start: int, end: int, step: int, offset: int, numel: int) -> bool:
     return (offset - start) % step == 0 and start <= offset < end and numel == min(step, end - offset)
 
 
-def slice_bounds(numel: int, n: int) -> list[tuple[int, int]]:
-    """[start, end) of each member's slice of a vector of ``numel`` elements."""
+def slice_bounds(numel: int, n: int, idle: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """[start, end) of each member's slice of a vector of ``numel`` elements. Members in
+    ``idle`` (``GroupFormed.idle``) reduce nothing: theirs is empty, and the vector is cut
+    among the others as it would be among that many members."""
     if n < 1 or numel < 0:
         raise ValueError(f"need n >= 1 and numel >= 0, got n={n} numel={numel}")
-    base, extra = divmod(numel, n)
-    out, start = [], 0
+    idle = set(idle)
+    if not idle <= set(range(n)) or len(idle) > max_idle(n):
+        raise ValueError(f"idle members {sorted(idle)} are not up to {max_idle(n)} of {n} members")
+    base, extra = divmod(numel, n - len(idle))
+    out, start, k = [], 0, 0
     for j in range(n):
-        end = start + base + (1 if j < extra else 0)
+        if j in idle:
+            out.append((start, start))
+            continue
+        end = start + base + (1 if k < extra else 0)
         out.append((start, end))
-        start = end
+        start, k = end, k + 1
     return out
+
+
+def max_idle(n: int) -> int:
+    """How many members of a group of ``n`` its leader may leave without a slice to reduce
+    (``GroupFormed.idle``: those that pushed nothing in its last round with them, ``peer.quiet``).
+    A third at most, so a lying leader that idles honest members can at most bring its own share
+    of the fragment from 1/n to 1/(n - n // 3); none in a group of two."""
+    return n // 3
 
 
 def bytes_sent(numel: int, n: int, encoded_size: Callable[[int], int], witness: bool = False) -> list[int]:

@@ -167,12 +167,20 @@ class GroupFormed(Message):
     codec: CodecName
     deadline_s: Seconds
     """Seconds after this message by which every slice must be in; late members are dropped."""
+    idle: Annotated[tuple[int, ...], Seq(Int(0, MAX_GROUP_SIZE - 1), max_len=MAX_GROUP_SIZE)] = ()
+    """Indices of members that reduce no slice this round (ascending; at most
+    ``protocol.butterfly.max_idle``): members that pushed nothing in the leader's last round
+    with them (``peer.quiet``). They still push. The group ID covers them."""
 
     def check(self) -> None:
         if len(self.weights) != len(self.members):
             raise FieldError(f"{len(self.members)} members but {len(self.weights)} weights")
         if len(set(self.members)) != len(self.members):
             raise FieldError("a member appears twice")
+        if list(self.idle) != sorted(set(self.idle)) or any(i >= len(self.members) for i in self.idle):
+            raise FieldError(f"idle members {list(self.idle)} are not ascending indices of the members")
+        if len(self.idle) > len(self.members) // 3:  # protocol.butterfly.max_idle
+            raise FieldError(f"{len(self.idle)} idle members, more than a third of {len(self.members)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

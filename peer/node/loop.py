@@ -160,6 +160,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             self.matchmaker = Matchmaker(self.net.dht, self.identity, self.run_id, swarm,
                                          max_weight=train.max_sync_tokens())
             self.matchmaker.expected = self._expected_joiners
+            self.matchmaker.quiet = self.averager.quiet.__contains__  # no slice for them in groups we lead
             if "ghost" in lies:  # the swarm tests' ghost (peer.node.faults)
                 make_ghost(self.matchmaker, self.averager)
             self.state_server = StateServer(self.net.p2p, self.identity, self.run_id,

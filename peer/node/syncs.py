@@ -233,7 +233,7 @@ class SyncMixin:
         # where it was (a zero averaged delta): every surviving member does the same, so they
         # still hold bit-identical global copies. (Using each member's own delta there would
         # make them diverge, with no majority to repair from.)
-        bounds = slice_bounds(delta.numel(), len(group.members))
+        bounds = slice_bounds(delta.numel(), len(group.members), group.idle)
         for part in outcome.fallback_parts:
             start, end = bounds[part]
             outcome.average[start:end] = 0.0
@@ -349,6 +349,7 @@ class SyncMixin:
         self.on_event({"event": "synced", "fragment": fragment, "round": round_, "step": worker.step,
                        "late": max(0, late),
                        "alone": outcome is None, "dropped": 0 if outcome is None else len(outcome.dropped),
+                       "fallback": 0 if outcome is None else len(outcome.fallback_parts),  # slices kept where they were
                        "group_size": 1 if result is None else result[1],
                        "group": "" if result is None else result[2].hex()[:16],
                        "digest": hashlib.sha256(worker.outer[fragment].global_flat.numpy().tobytes()).hexdigest()[:16],

@@ -287,13 +287,15 @@ def group_fields(peers: list[Peer], weights: list[float], codec: str, group_id: 
             "deadline_s": deadline_s}
 
 
-def partial_reference(vectors: list[torch.Tensor], weights: list[float], alive: list[int], codec_name: str):
+def partial_reference(vectors: list[torch.Tensor], weights: list[float], alive: list[int], codec_name: str,
+                      idle: tuple[int, ...] = ()):
     """What member j of a group of len(vectors) holds for its part when only ``alive`` took
-    part (peer.simulation.allreduce's arithmetic, with the dead left out of the mean)."""
+    part (peer.simulation.allreduce's arithmetic, with the dead left out of the mean), the
+    members ``idle`` reducing nothing."""
     codec, n = get_codec(codec_name), len(vectors)
     out = {}
     total = float(sum(weights[i] for i in alive))
-    for j, (s, e) in enumerate(slice_bounds(vectors[0].numel(), n)):
+    for j, (s, e) in enumerate(slice_bounds(vectors[0].numel(), n, idle)):
         if j not in alive:
             continue
         # every contribution as encoded, the reducer's own too (as its witnesses get it)

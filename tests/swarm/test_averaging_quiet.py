@@ -57,6 +57,17 @@ def test_a_ghost_member_holds_one_round_to_its_deadline_and_the_next_only_briefl
                 assert elapsed < deadline
             # a late member's report never came: it may have landed parts, so compare states after it
             assert not extra["agreed"]
+    # a leader that knows it is quiet gives it no slice (GroupFormed.idle): the three honest
+    # members reduce the whole vector, and nothing falls back
+    idle = (ghost,)
+    fields = {**group_fields(peers, weights, "fp32", group_id=b"ghost-idle".ljust(16, b"\0"), deadline_s=deadline),
+              "idle": idle}
+    ref = partial_reference(vectors, weights, honest, "fp32", idle)
+    replies = _round(peers, honest, fields, seeds)
+    for kind, avg, dropped, fallback, _, elapsed, lines, _ in replies.values():
+        assert kind == "done" and dropped == (ghost,) and fallback == () and elapsed < deadline
+        assert torch.equal(as_tensor(avg), torch.cat([ref[j] for j in honest]))
+        assert any(QUIET in ln for ln in lines if "dropped member" in ln and f"peer={ghost_id}" in ln)
     # it comes back and does its part: counted like anyone again
     fields = group_fields(peers, weights, "fp32", group_id=b"ghost-back".ljust(16, b"\0"), deadline_s=deadline)
     replies = _round(peers, [ghost, *honest], fields, seeds)

@@ -271,4 +271,9 @@ def test_a_ghost_that_joins_every_group_and_sends_nothing_is_waited_for_once_the
         assert f"reason=timeout:slice not received in time peer={ghost}" in text, f"peer {i}: {text[-2000:]}"
         assert f"reason=timeout:slice not received, quiet: silent in our last round with it too peer={ghost}" in text
         assert f"banned peer={ghost}" not in text
+    # a group an honest peer leads once it knows the ghost is quiet gives it no slice
+    # (GroupFormed.idle): nothing falls back there; before that (and when the ghost leads),
+    # the ghost's slice does, and nothing else
+    assert all(ev["fallback"] <= 1 for ev in with_ghost)
+    assert any(ev["fallback"] == 0 and ev["dropped"] == 1 for ev in with_ghost), with_ghost
     _agreed(seen, HONEST)

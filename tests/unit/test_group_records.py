@@ -6,6 +6,7 @@ naming one member of each honest group, and those members followed it (ranked fi
 their groups waited for them; naming a leader left that leader's followers alone."""
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -99,3 +100,49 @@ def test_a_leader_whose_view_was_fuller_is_followed_once_its_extra_join_is_read(
                           subkey=lead.public_key))
     got = asyncio.run(mm.form_group(0, ROUND, 1.0, NUMEL, "fp32"))
     assert got is not None and got.members == full
+
+
+def test_a_leader_gives_its_quiet_members_no_slice_and_every_member_takes_the_same_cut():
+    """``GroupFormed.idle``: the leader names the members that pushed nothing in its last round
+    with them (``peer.quiet``), up to a third; every member forms that group, the same ID and
+    the same idle set, and a quiet member the leader did not mark still reduces."""
+    honest, _ = keys_ranked(6, first=True)
+    dht = MemoryDHT()
+    sw = SwarmConfig(matchmaking_timeout_s=T, group_size=8)
+    mms = [Matchmaker(dht, h, RUN_ID, sw, poll_s=0.05) for h in honest]
+    order = sorted(honest, key=lambda i: rank(SEED, i.public_key))
+    quiet = {order[2].peer_id, order[4].peer_id, order[5].peer_id}  # the leader's marks: more than a third
+    mms[honest.index(order[0])].quiet = quiet.__contains__
+    for m in mms:  # the followers' own marks do not matter: the leader's record is the group
+        m.quiet = m.quiet or (lambda peer_id: True)
+
+    async def all_form():
+        return await asyncio.gather(*(m.form_group(0, ROUND, 1.0, NUMEL, "fp32") for m in mms))
+
+    got = asyncio.run(all_form())
+    assert {(g.members, g.group_id, g.idle) for g in got} == {(got[0].members, got[0].group_id, (2, 4))}
+    assert got[0].group_id == group_id_of(SEED, got[0].members, (2, 4))
+
+
+def test_a_record_whose_id_does_not_cover_its_idle_members_is_refused():
+    """Two records of one group ID must cut the fragment alike: the ID is the hash of the
+    members and the idle set, so a leader naming an idle set its ID does not cover is not
+    followed (its followers would refuse each other's frames as off their slices)."""
+    honest, _ = keys_ranked(3, first=True)
+    lead, *followers = sorted(honest, key=lambda i: rank(SEED, i.public_key))
+    members = tuple(i.public_key for i in (lead, *followers))
+    forged = dataclasses.replace(record(lead, members, (1.0,) * 3, 8), idle=(1,))  # the ID is of no idle set
+    fair = dataclasses.replace(forged, group_id=group_id_of(SEED, members, (1,)))
+
+    def follow(rec: GroupFormed):
+        dht, now = MemoryDHT(), time.time()
+        for h in honest:
+            asyncio.run(dht.store(joins_key(RUN_ID, 0, ROUND), seal(JoinGroup(
+                run_id=RUN_ID, fragment=0, round=ROUND, weight=1.0, numel=NUMEL), h), now + 2 * T, subkey=h.public_key))
+        asyncio.run(dht.store(groups_key(RUN_ID, 0, ROUND), seal(rec, lead), now + 100, subkey=lead.public_key))
+        mm = Matchmaker(dht, followers[0], RUN_ID, SwarmConfig(matchmaking_timeout_s=T, group_size=8), poll_s=0.05)
+        return asyncio.run(mm.form_group(0, ROUND, 1.0, NUMEL, "fp32"))
+
+    assert follow(forged) is None
+    got = follow(fair)
+    assert got is not None and got.idle == (1,) and got.members == members

@@ -53,3 +53,7 @@ def test_group_id_binds_the_round_and_the_member_order():
     assert len(a) == 16
     assert a != group_id_of(seed, (KEYS[1], KEYS[0]))
     assert a != group_id_of(round_seed(b"r" * 20, 0, 2), (KEYS[0], KEYS[1]))
+    # the idle members are part of the group: another cut of the fragment is another group
+    three = (KEYS[0], KEYS[1], KEYS[2])
+    assert group_id_of(seed, three, (1,)) not in {group_id_of(seed, three), group_id_of(seed, three, (2,))}
+    assert group_id_of(seed, three, (1,)) == group_id_of(seed, three, (1,))

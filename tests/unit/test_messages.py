@@ -111,7 +111,8 @@ def groups(draw):
     return GroupFormed(run_id=draw(st.binary(min_size=20, max_size=20)), fragment=draw(st.integers(0, 1023)),
                        round=draw(st.integers(0, 2**32 - 1)), group_id=draw(st.binary(min_size=16, max_size=16)),
                        members=tuple(members), weights=tuple(weights), numel=draw(st.integers(0, 2**40)),
-                       codec=draw(st.sampled_from(CODEC_NAMES)), deadline_s=draw(st.floats(0, 600)))
+                       codec=draw(st.sampled_from(CODEC_NAMES)), deadline_s=draw(st.floats(0, 600)),
+                       idle=tuple(sorted(draw(st.sets(st.integers(0, len(members) - 1), max_size=len(members) // 3)))))
 
 
 @st.composite
@@ -328,6 +329,11 @@ def test_group_and_index_cross_field_rules():
     with pytest.raises(InvalidMessage, match="twice"):
         GroupFormed(run_id=b"r" * 20, fragment=0, round=0, group_id=b"g" * 16, members=(key, key),
                     weights=(1.0, 1.0), numel=10, codec="fp4", deadline_s=30)
+    three = tuple(bytes([i]) * 32 for i in range(3))
+    for idle, why in [((2, 1), "ascending"), ((1, 1), "ascending"), ((3,), "indices"), ((0, 1), "a third")]:
+        with pytest.raises(InvalidMessage, match=why):
+            GroupFormed(run_id=b"r" * 20, fragment=0, round=0, group_id=b"g" * 16, members=three,
+                        weights=(1.0,) * 3, numel=10, codec="fp4", deadline_s=30, idle=idle)
     with pytest.raises(InvalidMessage, match="digests"):
         StateIndex(run_id=b"r" * 20, step=0, rounds=(), format="safetensors", total_bytes=10, chunk_bytes=4,
                    chunk_digests=(bytes(32),) * 2)
