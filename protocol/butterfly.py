@@ -1,7 +1,8 @@
 """Butterfly all-reduce arithmetic: who reduces which slice, and what it costs on the wire.
 
 In a group of n members, a flat vector of N elements is cut into n contiguous slices (the
-first ``N % n`` slices one element longer). Member j reduces slice j: every other member
+first ``N % n`` slices one element longer; members the group record lists as ``idle`` get an
+empty slice, and the others cut N as that many would). Member j reduces slice j: every other member
 sends it its encoded slice j, member j accumulates them in fp32 with its own slice, encoded
 and decoded alike (so its witnesses can vouch for it: ``witnesses_of``), encodes the weighted mean
 once, and sends that back to the n-1 others. Every member, reducer included, then uses the
