@@ -411,7 +411,16 @@ class Averager(InboundMixin, SendMixin):
             if i != rnd.me and not rnd.dropped.get(i, "").startswith("unreachable"):
                 rnd.tasks.append(asyncio.create_task(self._report(rnd, i, frames)))
         self._forward(rnd, rnd.tasks)  # reports that came before ours
-        await self._wait(rnd, rnd.agreed, rnd.agree_deadline)
+        await self._wait(rnd, rnd.agreed, rnd.agree_deadline, rnd.agreed_but_quiet)
+        if rnd.agreed():
+            return
+        if rnd.agreed_but_quiet() and asyncio.get_running_loop().time() < rnd.agree_deadline:
+            rnd.waived |= {i for i in rnd.took_part() if i not in rnd.reports}  # not agreed: states compared after
+            for i in sorted(rnd.waived):
+                log.info("report not waited for peer=%s reason=quiet: no report in our last round with it group=%s",
+                         rnd.peer_ids[i], g.group_id.hex())
+        else:
+            rnd.agree_timed_out = True
 
     def _check_call(self, group: Group, vector: torch.Tensor, weight: float) -> int:
         if group.run_id != self.run_id:
@@ -464,10 +473,18 @@ class Averager(InboundMixin, SendMixin):
         (and the reducer's own frames are still taken)."""
         loop = asyncio.get_running_loop()
         grace = ELSEWHERE_GRACE * rnd.group.deadline_s
+        start, cut = loop.time(), math.inf
         while not rnd.means_done():
             now = loop.time()
-            until = min(deadline, rnd.held_elsewhere_at(grace))
+            quiet = rnd.means_done_but_quiet() if rnd.quiet else []  # only quiet reducers' parts missing
+            cut = (now + quiet_grace(rnd.group.deadline_s, now - start) if cut == math.inf else cut) if quiet \
+                else math.inf
+            until = min(deadline, rnd.held_elsewhere_at(grace), cut)
             if now >= until:
+                if now >= cut and now < deadline:
+                    for j in quiet:
+                        rnd.waived.add(j)
+                        rnd.drop(j, "timeout:reduced part not received, quiet: silent in our last round with it too")
                 return
             rnd.changed.clear()  # nothing can arrive between means_done() and here: no await
             try:

@@ -155,12 +155,15 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         self.vouches: dict[int, dict[int, tuple[float, float]]] = {}  # part -> witness -> (norm, dot) it vouched
         self.pushed = [0] * self.n
         self.quiet: frozenset[int] = frozenset()
-        """Members that pushed nothing in our last round with them (``peer.quiet``): while no push
-        of one has come in this round, the push phase waits for it only briefly once the others
-        have pushed."""
+        """Members that did not do their part in our last round with them (``peer.quiet``): no
+        push, or no report. While no push of one has come in this round, the push phase waits
+        for it only briefly once the others have pushed; so do the means phase for its reduced
+        part and the agreement for its report, once everyone else's is in."""
         self.heard: set[int] = set()  # members a verified frame of this group came from
         self.pushers: set[int] = set()  # members a verified push of this group came from (to us, or witnessed)
         self.cut: set[int] = set()  # quiet members the push phase stopped waiting for (``peer.quiet``)
+        self.waived: set[int] = set()  # quiet members whose reduced part or report we stopped waiting for
+        self.agree_timed_out = False  # the agreement ran to its deadline (``peer.quiet`` marks who failed it)
         # reduced parts from the other reducers: elements covered and contributors seen
         self.got = [0] * self.n
         self.contributors: dict[int, tuple[int, ...]] = {}
@@ -218,6 +221,22 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         size = self.size(self.me)
         rest = [i for i in range(self.n) if i != self.me and i not in self.dropped and i not in silent]
         return bool(silent) and all(self.pushed[i] == size for i in rest) and any(self.pushed[i] for i in rest)
+
+    def means_done_but_quiet(self) -> list[int]:
+        """The parts we still wait for when all are of quiet reducers and we hold another
+        reducer's part (``peer.quiet``); else []."""
+        lacking = [j for j in range(self.n) if j != self.me and j not in self.dropped and self.got[j] != self.size(j)]
+        if not lacking or any(j not in self.quiet for j in lacking):
+            return []
+        return lacking if any(self.holds(j) for j in range(self.n) if j != self.me) else []
+
+    def agreed_but_quiet(self) -> bool:
+        """The agreement is complete but for the reports of quiet members, and another member
+        reported (``peer.quiet``)."""
+        waiting = [i for i in self.took_part() if i not in self.reports]
+        if not waiting or any(i not in self.quiet for i in waiting) or self.wanted() or self.unproven():
+            return False
+        return any(i != self.me and i not in waiting for i in self.reports)
 
     def held_elsewhere_at(self, grace: float) -> float:
         """When each part we lack will have been reported held by another member for ``grace``

@@ -85,11 +85,16 @@ class QuietMembers:
             peer_id = rnd.peer_ids[i]
             if i == rnd.me or peer_id in rnd.banned or i in rnd.excluded or not rnd.heard - {i}:
                 continue
-            if i in rnd.pushers:
+            reported = i in rnd.reports or i in rnd.finals
+            if i in rnd.pushers and reported:
                 self._heard(peer_id)
             elif i in rnd.cut:
                 self._cut.setdefault(bytes(rnd.group.group_id), set()).add(peer_id)
-            elif rnd.dropped.get(i) == DEADLINE_DROP:  # we waited the whole push deadline for it
+            elif i in rnd.waived:
+                pass  # still quiet: it pushed, and then let us down again
+            elif rnd.dropped.get(i) == DEADLINE_DROP or (  # we waited the whole push deadline for it,
+                    i in rnd.pushers and not reported and i not in rnd.gone and rnd.agree_timed_out  # or for its report
+                    and any(j != i for j in rnd.reports)):
                 self._marks[peer_id] = 0
                 self._marks.move_to_end(peer_id)
                 marked.append(i)

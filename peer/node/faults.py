@@ -20,6 +20,9 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
   its mean commits to, and averages, the true one (``peer.round_witness``);
 - ``blind``: as a reducer, sends its witnesses nothing, so that none can vouch for its own
   slice and the screen must take it as anything up to the clip;
+- ``hush``: pushes its slices, then sends nothing more: no reduced part, no report, no
+  forward, nor its own slice to its witnesses, nor an audit's answer (a member that took part
+  and fell silent);
 - ``ghost``: joins every round another peer joins (a valid ``JoinGroup``; it follows the group
   record, or writes it as a leader) and then sends nothing at all, nor answers an audit; it
   averages its own rounds alone, at the others' pace (``make_ghost``).
@@ -49,7 +52,7 @@ from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 
 LIES = frozenset({"push1000", "push1e30", "mean1000", "negate", "equivocate", "withhold", "replay", "short", "mute",
-                  "disown", "blind", "ghost"})
+                  "disown", "blind", "ghost", "hush"})
 
 
 def parse_lies(fault: str) -> frozenset[str]:
@@ -89,6 +92,8 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
     pushed: dict[str, list] = {}  # peer ID -> the frames we last pushed to it
 
     async def lying_deliver(rnd, j: int, frames, deadline, sent, drop_on_failure):
+        if "hush" in lies and not drop_on_failure:  # anything but a push
+            return
         ours = frames is rnd.frames.get(rnd.me)  # our reduced part, not a push or a forward
         if frames is rnd.own_frames and "blind" in lies:  # our own slice, to a witness
             return
@@ -105,7 +110,11 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
         await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
 
     averager.allreduce, averager._encode, averager._deliver = lying_allreduce, lying_encode, lying_deliver
-    if "mute" in lies:
+    if "hush" in lies:
+        async def no_report(rnd, i, frames):
+            return None
+        averager._report = no_report
+    if "mute" in lies or "hush" in lies:
         averager.audits.answer = lambda peer_id, msg: None
 
 

@@ -138,13 +138,27 @@ def fault(av, behaviour: str) -> None:
     ``lose:first`` loses the first stream each peer opens to it, as the libp2p daemon can
     (the frame is never read, so never acknowledged: ``peer.outbox``); ``inflate:F`` reduces
     its part as it should, then multiplies the mean by F before it encodes, signs, sends and
-    keeps it: one consistent lie, the same bytes for everyone; ``honest`` none."""
+    keeps it: one consistent lie, the same bytes for everyone; ``hush`` pushes its slices and
+    then sends nothing more; ``honest`` none."""
     import asyncio
 
     av._deliver = type(av)._deliver.__get__(av)  # undo a fault of the previous command
     av._on_frame = type(av)._on_frame.__get__(av)
     av._encode = type(av)._encode.__get__(av)
+    av._report = type(av)._report.__get__(av)
     if behaviour == "honest":
+        return
+    if behaviour == "hush":  # it pushes, and then sends nothing: no part, no report, no forward
+        deliver = av._deliver
+
+        async def pushes_only(rnd, j, frames, deadline, sent, drop_on_failure):
+            if drop_on_failure:
+                await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
+
+        async def no_report(rnd, i, frames):
+            return None
+
+        av._deliver, av._report = pushes_only, no_report
         return
     kind, k = behaviour.split(":")
     if kind == "inflate":  # as a reducer, our mean times k to everyone (and held so ourselves)

@@ -75,3 +75,39 @@ def test_a_ghost_member_holds_one_round_to_its_deadline_and_the_next_only_briefl
     for kind, avg, dropped, fallback, *_ in replies.values():
         assert kind == "done" and dropped == () and fallback == ()
         assert torch.equal(as_tensor(avg), expected)
+
+
+def test_a_member_that_pushes_and_then_falls_silent_holds_one_round_to_the_agreement_deadline(swarm):  # noqa: F811
+    """``hush``: it pushes its slices, then sends no reduced part and no report. The first
+    round waits for its part to the means' deadline and for its report to the agreement's;
+    then it is quiet. In later rounds its contributions count as anyone's, its part (if it
+    has one) and its report are waited for only briefly once everyone else's are in, and the
+    honest members land one average (not agreed: they compare states after it)."""
+    peers = swarm(4)
+    weights = [1.0, 2.0, 3.0, 4.0]
+    hush, honest, deadline = 3, [0, 1, 2], 6.0
+    seeds = {i: 900 + i for i in range(4)}
+    vectors = [make_vector(seeds[i]) for i in range(4)]
+    hush_id = _peer_id(peers[hush].public_key)
+    for name, idle in ((b"hush-1", ()), (b"hush-2", ()), (b"hush-idle", (hush,))):
+        fields = {**group_fields(peers, weights, "fp32", group_id=name.ljust(16, b"\0"), deadline_s=deadline),
+                  "idle": idle}
+        ref = partial_reference(vectors, weights, [0, 1, 2, 3], "fp32", idle)  # its pushes count
+        replies = _round(peers, [*honest, hush], fields, seeds, {hush: "hush"})
+        for i in honest:
+            kind, avg, dropped, fallback, _, elapsed, lines, extra = replies[i]
+            got = as_tensor(avg)
+            bounds = slice_bounds(NUMEL, 4, idle)
+            for j in honest:
+                s, e = bounds[j]
+                assert torch.equal(got[s:e], ref[j])
+            assert not extra["agreed"]  # its report never came: states are compared after the round
+            if idle:  # a leader that knows it gives it no part: nothing falls back
+                assert kind == "done" and dropped == () and fallback == ()
+            else:
+                assert kind == "done" and dropped == (hush,) and fallback == (hush,)
+            waived = [ln for ln in lines if "report not waited for" in ln and f"peer={hush_id}" in ln]
+            if name == b"hush-1":  # a first silence: the means' deadline, then the agreement's
+                assert elapsed > 2.5 * deadline - 0.5 and not waived
+            else:  # quiet: waited for briefly once every other member's part and report were in
+                assert elapsed < deadline and waived, (elapsed, lines[-20:])

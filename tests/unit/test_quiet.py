@@ -15,16 +15,20 @@ N = 4
 GID = b"g" * 16
 
 
-def finished_round(heard=(1, 2, 3), cut=(), banned=(), gid=GID, ids=None, reported=(), unreachable=()):
+def finished_round(heard=(1, 2, 3), cut=(), banned=(), gid=GID, ids=None, reported=(), unreachable=(), hushed=(),
+                   timed_out=False, waived=()):
     """A finished round of four members as ``QuietMembers.judge`` reads it (we are member 0):
-    ``heard`` pushed to us, ``reported`` only reported; the others were dropped at the push
-    deadline, or at once as ``unreachable``."""
+    ``heard`` pushed to us and reported, unless ``hushed`` (then they only pushed: the agreement
+    ran to its deadline if ``timed_out``, or stopped waiting for the ``waived`` ones), ``reported``
+    only reported; the others were dropped at the push deadline, or at once as ``unreachable``."""
     dropped = {i: "unreachable:gone" if i in unreachable else DEADLINE_DROP
                for i in range(1, N) if i not in heard and i not in cut}
     dropped.update({i: "timeout:slice not received, quiet" for i in cut})
+    reports = {i: () for i in (*heard, *reported) if i not in hushed}
     return SimpleNamespace(n=N, me=0, peer_ids=ids or [f"peer{i}" for i in range(N)], heard=set(heard) | set(reported),
                            pushers=set(heard), cut=set(cut), dropped=dropped, banned=set(banned),
-                           excluded=frozenset(), group=SimpleNamespace(group_id=gid))
+                           excluded=frozenset(), group=SimpleNamespace(group_id=gid), reports=reports, finals={},
+                           gone=set(), waived=set(waived), agree_timed_out=timed_out)
 
 
 def test_a_member_silent_through_a_round_is_marked_and_rounds_it_is_heard_in_clear_it():
@@ -86,3 +90,43 @@ def test_the_push_phase_stops_waiting_only_for_quiet_members_not_heard_from_once
     assert rnd.pushes_done_but_quiet()
     rnd.pushers.add(3)  # a push of its, to us: the full wait again
     assert not rnd.pushes_done_but_quiet() and rnd.silent_quiet() == []
+
+
+def test_a_member_that_pushed_and_never_reported_through_the_agreement_is_marked_and_only_a_whole_round_clears_it():
+    """``lie:hush``: it pushes, then sends no part and no report. Marked when we waited the
+    agreement's whole deadline for its report and another member reported; a round in which it
+    pushes but does not report does not count towards clearing; a round we stopped waiting for
+    it (``waived``) leaves the mark as it is."""
+    quiet = QuietMembers()
+    assert quiet.judge(finished_round(hushed=(3,))) == [] and len(quiet) == 0  # we did not wait to the deadline
+    assert quiet.judge(finished_round(hushed=(1, 2, 3), timed_out=True)) == []  # nobody else reported
+    assert quiet.judge(finished_round(hushed=(3,), timed_out=True)) == [3] and "peer3" in quiet
+    for _ in range(CLEAR_AFTER):
+        assert quiet.judge(finished_round(hushed=(3,), waived=(3,))) == [] and "peer3" in quiet
+        assert quiet.judge(finished_round(hushed=(3,))) == [] and "peer3" in quiet  # a push alone
+    for _ in range(CLEAR_AFTER):
+        quiet.judge(finished_round())
+    assert "peer3" not in quiet
+
+
+def test_the_means_and_the_agreement_stop_waiting_only_for_quiet_members_once_everyone_else_is_in():
+    keys = [Identity.from_seed(bytes([i + 1]) * 32).public_key for i in range(N)]
+    group = Group(run_id=b"r" * 20, fragment=0, round=1, group_id=GID, members=tuple(keys), weights=(1.0,) * N,
+                  numel=1024, codec="fp32", deadline_s=10.0)
+    rnd = Round(group, 0, torch.zeros(1024), get_codec("fp32"))
+    rnd.quiet = frozenset({3})
+    for i in (1, 2, 3):
+        rnd.pushed[i] = rnd.size(0)
+    assert rnd.means_done_but_quiet() == []  # no other reducer's part yet
+    for j in (1, 2):  # as a part held: its contributors and chunks (peer.round_intake)
+        rnd.contributors[j], rnd.mean_chunks[j] = (0, 1, 2, 3), []
+    rnd.got[1], rnd.frames[1] = rnd.size(1), []
+    assert rnd.means_done_but_quiet() == []  # part 2, of a member not quiet, is still to come
+    rnd.got[2], rnd.frames[2] = rnd.size(2), []
+    assert rnd.means_done_but_quiet() == [3]
+    rnd.reports[1] = rnd.digests()
+    assert not rnd.agreed_but_quiet()  # member 2's report, not quiet, is still to come
+    rnd.reports[2] = rnd.digests()
+    assert rnd.agreed_but_quiet() and not rnd.agreed()  # only the quiet member's report is missing
+    rnd.quiet = frozenset()
+    assert not rnd.agreed_but_quiet() and rnd.means_done_but_quiet() == []  # not quiet: the full wait
