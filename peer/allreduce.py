@@ -90,12 +90,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import torch
 from hivemind.p2p import P2P
@@ -103,18 +101,16 @@ from hivemind.p2p import P2P
 from peer.allreduce_inbound import InboundMixin
 from peer.allreduce_round import Round
 from peer.allreduce_send import SendMixin, encode_chunks
+from peer.allreduce_wait import WaitMixin
 from peer.audit import Audits
 from peer.inbox import PendingFrames, StreamEnded, StreamGate
 from peer.quiet import DEADLINE_DROP, QuietMembers
-from peer.quiet import grace as quiet_grace
 from peer.ratelimit import RateLimiter
 from protocol.butterfly import HEAD_ROOM, chunk_elements
 from protocol.codecs import get_codec
-from protocol.envelope import seal_parts
 from protocol.errors import LocalProtocolError
 from protocol.identity import Identity, peer_id_from_public_key
 from protocol.messages import MAX_FRAME_BYTES
-from protocol.messages_swarm import PartsHeld
 
 __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_elements"]
 
@@ -125,7 +121,6 @@ HANDLER_PREFIX = "swarmstream-avg-v8-"  # v2: acknowledged frames (peer.outbox);
 # slice, encoded, to two members; SliceAveraged.own, PartsHeld.witness)
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
 AGREE_GRACE = 1.0  # reports and forwarded parts by (1 + AGREE_GRACE) * deadline_s
-ELSEWHERE_GRACE = 0.1  # of deadline_s: a part others reported holding this long is not waited for
 _RECENT_ROUNDS = 4  # finished rounds whose parts we still forward to a member that reports lacking one
 _FINISHED_MEMORY = 1024  # group IDs of finished rounds whose late frames we drop quietly
 
@@ -194,7 +189,7 @@ class AllReduceOutcome:
     started it: we reached the round that much after them (``peer.pace``)."""
 
 
-class Averager(InboundMixin, SendMixin):
+class Averager(InboundMixin, SendMixin, WaitMixin):
     """Runs the all-reduces of one run's groups on one P2P instance (see the module docstring).
 
     ``max_frame_bytes`` bounds every frame we read or write; keep it equal across a run's
@@ -395,33 +390,6 @@ class Averager(InboundMixin, SendMixin):
                                 tuple(bytes(rnd.group.members[j]) for j in implausible), offences, tuple(conformed),
                                 kept_waiting)
 
-    async def _agree(self, rnd: Round) -> None:
-        """Tell every member which parts we hold, forward the ones they lack, and wait for what
-        they hold and we lack, until every member we wait for has reported (see
-        ``peer.allreduce_round``) or the agreement's deadline."""
-        g = rnd.group
-        rnd.agreeing = True
-        rnd.early = not rnd.heard_from_anyone()
-        rnd.reported = rnd.digests()
-        report = PartsHeld(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id,
-                           digests=rnd.reported, norms=tuple(rnd.norms), dots=rnd.my_dots(),
-                           witness=rnd.witness_report())
-        frames = [seal_parts(report, self.identity)]
-        for i in range(rnd.n):
-            if i != rnd.me and not rnd.dropped.get(i, "").startswith("unreachable"):
-                rnd.tasks.append(asyncio.create_task(self._report(rnd, i, frames)))
-        self._forward(rnd, rnd.tasks)  # reports that came before ours
-        await self._wait(rnd, rnd.agreed, rnd.agree_deadline, rnd.agreed_but_quiet)
-        if rnd.agreed():
-            return
-        if rnd.agreed_but_quiet() and asyncio.get_running_loop().time() < rnd.agree_deadline:
-            rnd.waived |= {i for i in rnd.took_part() if i not in rnd.reports}  # not agreed: states compared after
-            for i in sorted(rnd.waived):
-                log.info("report not waited for peer=%s reason=quiet: no report in our last round with it group=%s",
-                         rnd.peer_ids[i], g.group_id.hex())
-        else:
-            rnd.agree_timed_out = True
-
     def _check_call(self, group: Group, vector: torch.Tensor, weight: float) -> int:
         if group.run_id != self.run_id:
             raise LocalProtocolError("the group is for another run than this averager's")
@@ -442,52 +410,3 @@ class Averager(InboundMixin, SendMixin):
         if max(group.weights) > self.max_weight:
             raise LocalProtocolError(f"a weight in the group is over the run's limit of {self.max_weight:g} tokens")
         return me
-
-    async def _wait(self, rnd: Round, done: Any, deadline: float, but_quiet: Any = None) -> None:
-        """Until ``done()`` or the deadline; while ``but_quiet()`` holds (done but for silent
-        quiet members, ``peer.quiet``), at most ``peer.quiet.grace`` from when it began to."""
-        loop = asyncio.get_running_loop()
-        start, cut = loop.time(), math.inf
-        while not done():
-            now = loop.time()
-            if not (rnd.quiet and but_quiet is not None and but_quiet()):
-                cut = math.inf  # (again) waiting for a member that is not quiet, or one that spoke
-            elif cut == math.inf:
-                cut = now + quiet_grace(rnd.group.deadline_s, now - start)
-            remaining = min(deadline, cut) - now
-            if remaining <= 0:
-                return
-            rnd.changed.clear()  # nothing can arrive between done() and here: no await
-            try:
-                await asyncio.wait_for(rnd.changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
-
-    async def _wait_means(self, rnd: Round, deadline: float) -> None:
-        """Until we hold every reduced part, or the deadline; or until each part we lack was
-        reported held, alike, by two other members ``ELSEWHERE_GRACE`` ago: its reducer sent it
-        to the others and not (yet) to us (one member's report is not enough: a liar's would
-        make an honest reducer on its way count as late, which a false final then exploits). A
-        reducer that withholds its part from one member would otherwise hold that member, and
-        the agreement of the whole group, to the deadline; the agreement forwards the part now
-        (and the reducer's own frames are still taken)."""
-        loop = asyncio.get_running_loop()
-        grace = ELSEWHERE_GRACE * rnd.group.deadline_s
-        start, cut = loop.time(), math.inf
-        while not rnd.means_done():
-            now = loop.time()
-            quiet = rnd.means_done_but_quiet() if rnd.quiet else []  # only quiet reducers' parts missing
-            cut = (now + quiet_grace(rnd.group.deadline_s, now - start) if cut == math.inf else cut) if quiet \
-                else math.inf
-            until = min(deadline, rnd.held_elsewhere_at(grace), cut)
-            if now >= until:
-                if now >= cut and now < deadline:
-                    for j in quiet:
-                        rnd.waived.add(j)
-                        rnd.drop(j, "timeout:reduced part not received, quiet: silent in our last round with it too")
-                return
-            rnd.changed.clear()  # nothing can arrive between means_done() and here: no await
-            try:
-                await asyncio.wait_for(rnd.changed.wait(), until - now)
-            except asyncio.TimeoutError:
-                pass

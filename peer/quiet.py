@@ -1,4 +1,4 @@
-"""Members silent through our last round with them get a short wait (``peer.allreduce``).
+"""Members that let us down in our last round with them get a short wait (``peer.allreduce``).
 
 A key can join every group and then send nothing at all (a "ghost"). Nothing it does is a
 proven lie, and a timeout proves nothing, so it is not banned; but the push deadline is there
@@ -23,22 +23,41 @@ dropped). A member that took part in any way is waited for and its report awaite
 With no other member done (a group of two, or we are early), the quiet one gets the full wait,
 so the phase lock of a shared round's end (``peer.matchmaking``) stays.
 
-Clearing. A round in which it pushes counts towards clearing the mark (``CLEAR_AFTER`` of
-them); so does a push of a round it was cut from that reaches us after we finished it (it was
-late, not gone: an honest member that fell behind would otherwise be cut from every round and
-never catch the group's pace again). A key that pushes in some rounds and is silent in the
-others costs a full deadline once every ``CLEAR_AFTER + 1`` rounds, and pushes (honest data,
-screened as anyone's) in the rest.
+A member that pushes and then falls silent (no reduced part, no report: the ``hush`` lie)
+would hold the means to ``1.5 x deadline_s`` and the agreement to ``2.5 x`` every round. So a
+member whose report never came while the agreement waited its whole deadline for it, and
+another member reported, is marked too. In our next rounds with it, once its part (if it has
+one: a leader that holds it quiet gives it none, ``GroupFormed.idle``) or its report is all
+that is missing, and another reducer's part or member's report is in, the wait for it is the
+same grace; then its part is dropped as late, or its report given up (``Round.waived``). Such
+a round is not ``agreed``: the nodes compare their states after it, as after any round in which
+a member that took part did not report (it may have landed parts we did not).
+
+A member that sent us a frame that failed a check (not proof of a lie, or it would be banned:
+a chunk off its slice, say) is marked too: its slice would fall back in every round it sends
+one bad frame in, so the groups we lead give it none.
+
+Clearing. A round in which it pushes *and* reports (and sends nothing that fails a check)
+counts towards clearing the mark (``CLEAR_AFTER`` of them); so does a push of a round it was
+cut from that reaches us after we finished it (it was late, not gone: an honest member that
+fell behind would otherwise be cut from every round and never catch the group's pace again). A
+key that pushes in some rounds and is silent in the others costs a full deadline once every
+``CLEAR_AFTER + 1`` rounds, and pushes (honest data, screened as anyone's) in the rest.
 
 What it costs an honest member: one silent through a whole push deadline (frozen, or following
 another record) and then, in the next rounds, late by more than the grace loses its
-contribution to those rounds, as it would at the deadline; one on time is not touched.
+contribution to those rounds, as it would at the deadline; one on time is not touched. One
+whose report came after a whole agreement deadline (starved of CPU) and then, in the next
+rounds, reports later than the grace, is not waited for: if it landed a part we lack, the
+comparison of states after the round repairs it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Any
+
+from peer.round_agreement import LATE
 
 __all__ = ["QUIET_GRACE", "QuietMembers", "grace"]
 
@@ -76,17 +95,19 @@ class QuietMembers:
 
     def judge(self, rnd: Any) -> list[int]:
         """After a round: mark each member no push came from while we waited the whole push
-        deadline for it; count a round for each marked one that pushed, and clear it after
-        ``CLEAR_AFTER``; leave one we cut and that did not push as it is. Members banned for a
-        lie are left to ``peer.bans``; a round in which we heard no other member marks nobody.
-        -> the indices marked."""
+        deadline for it, or whose report did not come while we waited the agreement's, or that
+        sent us a frame that failed a check; count a round for each marked one that pushed and
+        reported, and clear it after ``CLEAR_AFTER``; leave one we cut or waived as it is.
+        Members banned for a lie are left to ``peer.bans``; a round in which we heard no other
+        member marks nobody. -> the indices marked."""
         marked = []
         for i in range(rnd.n):
             peer_id = rnd.peer_ids[i]
             if i == rnd.me or peer_id in rnd.banned or i in rnd.excluded or not rnd.heard - {i}:
                 continue
             reported = i in rnd.reports or i in rnd.finals
-            if i in rnd.pushers and reported:
+            refused = i in rnd.dropped and not rnd.dropped[i].startswith((*LATE, "unreachable"))
+            if i in rnd.pushers and reported and not refused:
                 self._heard(peer_id)
             elif i in rnd.cut:
                 self._cut.setdefault(bytes(rnd.group.group_id), set()).add(peer_id)
@@ -94,7 +115,7 @@ class QuietMembers:
                 pass  # still quiet: it pushed, and then let us down again
             elif rnd.dropped.get(i) == DEADLINE_DROP or (  # we waited the whole push deadline for it,
                     i in rnd.pushers and not reported and i not in rnd.gone and rnd.agree_timed_out  # or for its report
-                    and any(j != i for j in rnd.reports)):
+                    and any(j != i for j in rnd.reports)) or refused:  # or it sent us a frame that failed a check
                 self._marks[peer_id] = 0
                 self._marks.move_to_end(peer_id)
                 marked.append(i)

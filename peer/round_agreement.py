@@ -71,6 +71,11 @@ class AgreementMixin:
         it is banned: a banned member's report is never waited for (``took_part``), and one that
         pushed nothing and reported nothing would have made every round it was in unagreed."""
         late = [i for i, why in self.dropped.items() if why.startswith(LATE) and self.peer_ids[i] not in self.banned]
+        if not self.size(self.me):  # we reduce nothing (idle): nobody pushes to us, so we drop nobody as
+            # late; the members no part we hold counted, and that did not report, are the reducers' late ones
+            counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
+            late += [i for i in range(self.n) if i != self.me and i not in counted and i not in self.dropped
+                     and i not in self.finals and self.peer_ids[i] not in self.banned]
         return (self.agreed() and all(i in self.reports for i in late)
                 and all(self.visible(j) for j in self.convicted))
 

@@ -45,12 +45,12 @@ class IntakeMixin:
             return
         self.heard.add(i)  # it is in this round (peer.quiet)
         msg = v.message
-        if isinstance(msg, PushSlice):
-            self.pushers.add(i)  # on time or not: it pushed, it is not gone (peer.quiet)
         if isinstance(msg, PartsHeld):  # also from a member we dropped: it may need our parts
             self._accept_report(i, msg)
             return
         late = self.dropped.get(i, "").startswith(LATE)
+        if isinstance(msg, PushSlice) and late:
+            self.pushers.add(i)  # after our deadline: it pushed, it is late, not gone (peer.quiet)
         if i in self.dropped and not (late and isinstance(msg, SliceAveraged)):
             return  # a member dropped for lateness may still send its part; not one that lied
         self.bytes_received += nbytes
@@ -66,6 +66,8 @@ class IntakeMixin:
             self.drop(i, f"{type(msg).__name__}:{e}")
             self._keep_evidence(data)
             return
+        if isinstance(msg, PushSlice):
+            self.pushers.add(i)  # a push that passed the checks: it is in this round (peer.quiet)
         self._seen.add(seen)
         self.changed.set()
 

@@ -78,11 +78,12 @@ def max_idle(n: int) -> int:
     return n // 3
 
 
-def bytes_sent(numel: int, n: int, encoded_size: Callable[[int], int], witness: bool = False) -> list[int]:
+def bytes_sent(numel: int, n: int, encoded_size: Callable[[int], int], witness: bool = False,
+               idle: Sequence[int] = ()) -> list[int]:
     """Bytes each member sends in one all-reduce of ``numel`` elements among ``n`` members:
     its n-1 foreign slices to their reducers, plus its reduced slice to the n-1 others, plus
     (``witness``, in groups that have them: ``witnessed``) its own slice to its witnesses."""
-    bounds = slice_bounds(numel, n)
+    bounds = slice_bounds(numel, n, idle)
     sizes = [encoded_size(e - s) for s, e in bounds]
     total = sum(sizes)
     extra = WITNESSES if witness and n > WITNESSES else 0

@@ -277,3 +277,23 @@ def test_a_ghost_that_joins_every_group_and_sends_nothing_is_waited_for_once_the
     assert all(ev["fallback"] <= 1 for ev in with_ghost)
     assert any(ev["fallback"] == 0 and ev["dropped"] == 1 for ev in with_ghost), with_ghost
     _agreed(seen, HONEST)
+
+
+def test_a_member_that_pushes_and_then_falls_silent_is_waited_for_once_then_briefly(tmp_path, demos):
+    """Peer 3 pushes its slices and then sends nothing more: no reduced part, no report
+    (``lie:hush``). Each honest peer waits the agreement's deadline for its report once, then
+    marks it quiet (``peer.quiet``) and in its later groups with it gives its report up soon
+    after everyone else's; nobody bans it, and the honest peers end on one state (they compare
+    states after each round it was in, which is not agreed)."""
+    setup = _setup(tmp_path)
+    demo, seen = run(tmp_path / "attacked", demos, 4, setup, rounds=4,
+                     envs={3: {"SWARMSTREAM_FAULT": "lie:hush"}, **{i: {"SWARMSTREAM_LOG": "INFO"} for i in HONEST}})
+    hush = peer_id_from_public_key(load_or_create_identity(setup / "peer3.key").public_key)
+    assert [ev for i, ev in seen if i in HONEST and ev.get("event") == "synced" and ev["group_size"] == 4]
+    waived = 0
+    for i in HONEST:
+        text = (tmp_path / "attacked" / f"peer{i}.log").read_text()
+        waived += text.count(f"report not waited for peer={hush} reason=quiet")
+        assert f"banned peer={hush}" not in text
+    assert waived, "no honest peer ever gave the silent member's report up early"
+    _agreed(seen, HONEST)

@@ -130,3 +130,37 @@ def test_the_means_and_the_agreement_stop_waiting_only_for_quiet_members_once_ev
     assert rnd.agreed_but_quiet() and not rnd.agreed()  # only the quiet member's report is missing
     rnd.quiet = frozenset()
     assert not rnd.agreed_but_quiet() and rnd.means_done_but_quiet() == []  # not quiet: the full wait
+
+
+def test_a_member_that_sent_a_frame_that_failed_a_check_is_marked_and_such_a_round_never_clears_it():
+    """One bad frame per round (a chunk off its slice: no proof, no ban) would otherwise keep a
+    ghost's mark from ever being set, or clear it, and its slice would fall back every round."""
+    quiet = QuietMembers()
+    bad = finished_round()
+    bad.dropped[3] = "PushSlice:chunk [0, 256) is not on slice [768, 1024)"
+    assert quiet.judge(bad) == [3] and "peer3" in quiet
+    for _ in range(CLEAR_AFTER):
+        quiet.judge(bad)  # it pushed and reported, and sent a bad frame: not a round heard
+    assert "peer3" in quiet
+    late = finished_round()
+    late.dropped[3] = "short:its stream ended after 10 of the slice's 256 elements"  # late, not refused
+    assert QuietMembers().judge(late) == []
+
+
+def test_an_idle_member_waits_for_the_report_of_a_member_no_reducer_counted_as_the_reducers_do():
+    """An idle member (``GroupFormed.idle``) gets no pushes, so it drops nobody as late; a member
+    that no part it holds counted and that did not report is late to it, as to the reducers:
+    the round is not settled (states are compared after it) on every member alike."""
+    keys = [Identity.from_seed(bytes([i + 1]) * 32).public_key for i in range(6)]
+    group = Group(run_id=b"r" * 20, fragment=0, round=1, group_id=GID, members=tuple(keys), weights=(1.0,) * 6,
+                  numel=1024, codec="fp32", deadline_s=10.0, idle=(4, 5))
+    rnd = Round(group, 4, torch.zeros(1024), get_codec("fp32"))
+    assert rnd.size(4) == rnd.size(5) == 0
+    for j in range(4):  # every part held, each counting every member but 5 (a ghost)
+        rnd.contributors[j], rnd.mean_chunks[j] = (0, 1, 2, 3, 4), []
+        rnd.got[j], rnd.frames[j] = rnd.size(j), []
+    for i in range(4):
+        rnd.reports[i] = rnd.digests()
+    assert rnd.agreed() and not rnd.settled()  # member 5: counted by nobody, no report
+    rnd.reports[5] = rnd.digests()
+    assert rnd.settled()
