@@ -93,7 +93,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 import torch
 from hivemind.p2p import P2P
@@ -104,7 +104,7 @@ from peer.allreduce_send import SendMixin, encode_chunks
 from peer.allreduce_wait import WaitMixin
 from peer.audit import Audits
 from peer.inbox import PendingFrames, StreamEnded, StreamGate
-from peer.quiet import DEADLINE_DROP, QuietMembers
+from peer.quiet import DEADLINE_DROP, MEANS_DROP, QuietMembers
 from peer.ratelimit import RateLimiter
 from protocol.butterfly import HEAD_ROOM, chunk_elements
 from protocol.codecs import get_codec
@@ -345,7 +345,7 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
             phases.append(loop.time() - t0)
             for j in range(rnd.n):
                 if j != me and j not in rnd.dropped and rnd.got[j] != rnd.size(j):
-                    rnd.drop(j, "timeout:reduced part not received in time" if loop.time() >= end_deadline
+                    rnd.drop(j, MEANS_DROP if loop.time() >= end_deadline
                              else "timeout:reduced part held by others, not sent to us")
             await self._agree(rnd)
             phases.append(loop.time() - t0)
@@ -386,9 +386,19 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         self.audits.spread(rnd)
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, landing.partial, tuple(sorted(rnd.repaired)),
-                                rnd.settled() and not landing.disputed and not rnd.apart(), tuple(rnd.clipped),
+                                rnd.settled() and not landing.disputed and not rnd.apart() and self._finals_in(rnd, conformed),
+                                tuple(rnd.clipped),
                                 tuple(bytes(rnd.group.members[j]) for j in implausible), offences, tuple(conformed),
                                 kept_waiting)
+
+    @staticmethod
+    def _finals_in(rnd: Round, conformed: Collection[int]) -> bool:
+        """A round in which we fell back on parts to follow the finals of members that finished
+        first (``Round.conform``) is agreed only once every other member's final is in (banned
+        ones aside): one liar's final (its own part blanked) made a member fall back on a part
+        the others landed, and every member said agreed (a review's repro)."""
+        return not conformed or all(i in rnd.finals for i in range(rnd.n)
+                                    if i != rnd.me and rnd.peer_ids[i] not in rnd.banned)
 
     def _check_call(self, group: Group, vector: torch.Tensor, weight: float) -> int:
         if group.run_id != self.run_id:

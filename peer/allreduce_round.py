@@ -234,8 +234,11 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         """The agreement is complete but for the reports of quiet members, and another member
         reported (``peer.quiet``)."""
         waiting = [i for i in self.took_part() if i not in self.reports]
-        if not waiting or any(i not in self.quiet for i in waiting) or self.wanted() or self.unproven():
+        if not waiting or any(i not in self.quiet for i in waiting) or self.unproven():
             return False
+        for j in self.wanted():  # a part we lack that only quiet members say they hold is not waited for
+            if any(r[j] and i not in self.quiet for i, r in (*self.reports.items(), *self.finals.items())):
+                return False
         return any(i != self.me and i not in waiting for i in self.reports)
 
     def held_elsewhere_at(self, grace: float) -> float:

@@ -19,7 +19,9 @@ Why this cannot split honest members: only a member no push of which has come in
 dropped early, and dropping it at the push phase is what the deadline does to a member that
 has not started yet (members reach the round, so their deadlines, at different moments, and
 the agreement that follows, ``peer.allreduce_round``, gives them one result whatever each
-dropped). A member that took part in any way is waited for and its report awaited as before.
+dropped). A quiet member that pushed has its late part dropped, or its report given up, only
+after a grace once everyone else's is in (below), and such a round is never ``agreed``: the
+nodes compare their states after it.
 With no other member done (a group of two, or we are early), the quiet one gets the full wait,
 so the phase lock of a shared round's end (``peer.matchmaking``) stays.
 
@@ -48,8 +50,9 @@ What it costs an honest member: one silent through a whole push deadline (frozen
 another record) and then, in the next rounds, late by more than the grace loses its
 contribution to those rounds, as it would at the deadline; one on time is not touched. One
 whose report came after a whole agreement deadline (starved of CPU) and then, in the next
-rounds, reports later than the grace, is not waited for: if it landed a part we lack, the
-comparison of states after the round repairs it.
+rounds, reports later than the grace, is not waited for: if it landed a part we lack, it is
+apart from us, and we (not agreed) compare states after the round; it is repaired when it
+compares too (a round it lands that is not agreed), not before (docs/THREAT_MODEL.md).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ CLEAR_AFTER = 3  # rounds it pushes in that clear a mark (one would let a ghost 
 MAX_QUIET = 4096  # peers remembered (the oldest marks go first)
 MAX_CUT_ROUNDS = 64  # finished rounds whose cut members a late push still clears
 DEADLINE_DROP = "timeout:slice not received in time"  # peer.allreduce's reason at the push deadline
+MEANS_DROP = "timeout:reduced part not received in time"  # and at the means' deadline
 
 
 def grace(deadline_s: float, elapsed: float) -> float:
@@ -107,7 +111,9 @@ class QuietMembers:
                 continue
             reported = i in rnd.reports or i in rnd.finals
             refused = i in rnd.dropped and not rnd.dropped[i].startswith((*LATE, "unreachable"))
-            if i in rnd.pushers and reported and not refused:
+            no_part = rnd.dropped.get(i) == MEANS_DROP and any(rnd.holds(j) for j in range(rnd.n) if j not in (i, rnd.me))
+            if i in rnd.pushers and reported and not refused and rnd.size(i) and rnd.holds(i):  # all its part
+                # (not an idle round: one that keeps its part to itself looks honest there)
                 self._heard(peer_id)
             elif i in rnd.cut:
                 self._cut.setdefault(bytes(rnd.group.group_id), set()).add(peer_id)
@@ -115,7 +121,8 @@ class QuietMembers:
                 pass  # still quiet: it pushed, and then let us down again
             elif rnd.dropped.get(i) == DEADLINE_DROP or (  # we waited the whole push deadline for it,
                     i in rnd.pushers and not reported and i not in rnd.gone and rnd.agree_timed_out  # or for its report
-                    and any(j != i for j in rnd.reports)) or refused:  # or it sent us a frame that failed a check
+                    and any(j != i for j in rnd.reports)) or refused or no_part:  # or a bad frame, or no part
+                # (we waited the means' whole deadline for its part, and got another reducer's)
                 self._marks[peer_id] = 0
                 self._marks.move_to_end(peer_id)
                 marked.append(i)

@@ -7,7 +7,7 @@ import torch
 
 from peer.allreduce import Group
 from peer.allreduce_round import Round
-from peer.quiet import CLEAR_AFTER, DEADLINE_DROP, QUIET_GRACE, QuietMembers, grace
+from peer.quiet import CLEAR_AFTER, DEADLINE_DROP, MEANS_DROP, QUIET_GRACE, QuietMembers, grace
 from protocol.codecs import get_codec
 from protocol.identity import Identity
 
@@ -16,7 +16,7 @@ GID = b"g" * 16
 
 
 def finished_round(heard=(1, 2, 3), cut=(), banned=(), gid=GID, ids=None, reported=(), unreachable=(), hushed=(),
-                   timed_out=False, waived=()):
+                   timed_out=False, waived=(), lacking=()):
     """A finished round of four members as ``QuietMembers.judge`` reads it (we are member 0):
     ``heard`` pushed to us and reported, unless ``hushed`` (then they only pushed: the agreement
     ran to its deadline if ``timed_out``, or stopped waiting for the ``waived`` ones), ``reported``
@@ -28,7 +28,8 @@ def finished_round(heard=(1, 2, 3), cut=(), banned=(), gid=GID, ids=None, report
     return SimpleNamespace(n=N, me=0, peer_ids=ids or [f"peer{i}" for i in range(N)], heard=set(heard) | set(reported),
                            pushers=set(heard), cut=set(cut), dropped=dropped, banned=set(banned),
                            excluded=frozenset(), group=SimpleNamespace(group_id=gid), reports=reports, finals={},
-                           gone=set(), waived=set(waived), agree_timed_out=timed_out)
+                           gone=set(), waived=set(waived), agree_timed_out=timed_out,
+                           size=lambda j: 256, holds=lambda j: j not in lacking)
 
 
 def test_a_member_silent_through_a_round_is_marked_and_rounds_it_is_heard_in_clear_it():
@@ -164,3 +165,22 @@ def test_an_idle_member_waits_for_the_report_of_a_member_no_reducer_counted_as_t
     assert rnd.agreed() and not rnd.settled()  # member 5: counted by nobody, no report
     rnd.reports[5] = rnd.digests()
     assert rnd.settled()
+
+
+def test_a_reducer_whose_part_never_came_while_another_did_is_marked_and_a_round_without_its_part_never_clears_it():
+    """A member that pushes and reports but never sends its reduced part (or claims to hold it
+    and never forwards it) held the means to their deadline every round: it is marked when we
+    waited that whole deadline for its part and got another reducer's; a round in which its
+    part did not come does not count towards clearing."""
+    quiet = QuietMembers()
+    r = finished_round(lacking=(3,))
+    r.dropped[3] = MEANS_DROP
+    assert quiet.judge(r) == [3] and "peer3" in quiet
+    for _ in range(CLEAR_AFTER):
+        assert quiet.judge(finished_round(lacking=(3,))) == [] and "peer3" in quiet  # pushed and reported, no part
+    for _ in range(CLEAR_AFTER):
+        quiet.judge(finished_round())
+    assert "peer3" not in quiet
+    alone = finished_round(lacking=(1, 2, 3))  # no other part came either: our own trouble, maybe
+    alone.dropped[3] = MEANS_DROP
+    assert QuietMembers().judge(alone) == []
