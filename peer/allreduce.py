@@ -104,7 +104,7 @@ from peer.allreduce_send import SendMixin, encode_chunks
 from peer.allreduce_wait import WaitMixin
 from peer.audit import Audits
 from peer.inbox import PendingFrames, StreamEnded, StreamGate
-from peer.quiet import DEADLINE_DROP, MEANS_DROP, QuietMembers
+from peer.quiet import DEADLINE_DROP, MEANS_DROP, QUIET_PUSH, QuietMembers
 from peer.ratelimit import RateLimiter
 from protocol.butterfly import HEAD_ROOM, chunk_elements
 from protocol.codecs import get_codec
@@ -241,7 +241,8 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         self._side_tasks: set[asyncio.Task[None]] = set()  # forwards for finished rounds
         self._started = False
         self.quiet = QuietMembers()
-        """Peers that pushed nothing in our last round with them: a short wait (``peer.quiet``)."""
+        """Peers that let us down in our last round with them (no push, no report or part, a bad
+        frame): a short wait, and no slice in the groups we lead (``peer.quiet``)."""
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -326,8 +327,7 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
                 if i != me and i not in rnd.dropped and rnd.pushed[i] != rnd.size(me):
                     if i in silent:
                         rnd.cut.add(i)
-                    rnd.drop(i, "timeout:slice not received, quiet: silent in our last round with it too"
-                             if i in silent else DEADLINE_DROP)
+                    rnd.drop(i, QUIET_PUSH if i in silent else DEADLINE_DROP)
 
             if rnd.size(me):
                 mean, contrib, total = rnd.reduce()

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from peer.allreduce_round import Round
+from peer.quiet import QUIET_PART
 from peer.quiet import grace as quiet_grace
 from protocol.envelope import seal_parts
 from protocol.messages_swarm import PartsHeld
@@ -18,7 +19,6 @@ from protocol.messages_swarm import PartsHeld
 log = logging.getLogger("peer.allreduce")
 
 ELSEWHERE_GRACE = 0.1  # of deadline_s: a part others reported holding this long is not waited for
-QUIET_PART = "timeout:reduced part not received, quiet: silent in our last round with it too"
 
 
 class WaitMixin:

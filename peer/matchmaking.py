@@ -160,7 +160,7 @@ class Matchmaker:
         batch closes at once instead of ``gap`` after its last join: everyone we know of is
         in, and waiting only delays the group (see the module docstring)."""
         self.quiet: Callable[[str], bool] | None = None
-        """Whether a peer ID pushed nothing in our averager's last round with it (``peer.quiet``):
+        """Whether a peer ID let our averager down in its last round with it (``peer.quiet``):
         in the groups we lead, it reduces no slice (``_idle``)."""
         self.distrusted = Distrust()
         """Keys we do not group with, nor follow as leaders: banned for a proven lie or a
@@ -272,7 +272,7 @@ class Matchmaker:
 
     def _idle(self, members: tuple[bytes, ...]) -> tuple[int, ...]:
         """The members of the group we lead that reduce nothing (``GroupFormed.idle``): those
-        that pushed nothing in our last round with them (``quiet``), up to ``max_idle``. A
+        that let us down in our last round with them (``quiet``), up to ``max_idle``. A
         ghost's slice would fall back every round: its part's update lost on every member."""
         if self.quiet is None:
             return ()

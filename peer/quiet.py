@@ -71,6 +71,8 @@ MAX_QUIET = 4096  # peers remembered (the oldest marks go first)
 MAX_CUT_ROUNDS = 64  # finished rounds whose cut members a late push still clears
 DEADLINE_DROP = "timeout:slice not received in time"  # peer.allreduce's reason at the push deadline
 MEANS_DROP = "timeout:reduced part not received in time"  # and at the means' deadline
+QUIET_PUSH = "timeout:slice not received, quiet: silent in our last round with it too"  # a quiet member cut
+QUIET_PART = "timeout:reduced part not received, quiet: silent in our last round with it too"  # in each phase
 
 
 def grace(deadline_s: float, elapsed: float) -> float:
