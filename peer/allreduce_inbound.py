@@ -92,8 +92,10 @@ class InboundMixin:
             if not v.message.final and peer_id in rnd.index:  # and it should know what we landed, again if
                 self._tell_landed(rnd, [rnd.index[peer_id]], again=True)  # it reports (our final may be lost)
         elif gid in self._finished:
-            if isinstance(v.message, PushSlice):
-                self.quiet.late(gid, peer_id)  # late, not gone (peer.quiet)
+            done = self._recent.get(gid)  # a push that would have passed its checks: late, not gone (peer.quiet)
+            if isinstance(v.message, PushSlice) and done is not None and done.valid_late_push(
+                    done.index.get(peer_id), v.message):
+                self.quiet.late(gid, peer_id)
             log.debug("frame for a finished group dropped peer=%s group=%s", peer_id, gid.hex())
             return None
         elif not self._pending.add(gid, peer_id, v, nbytes, data,  # a banned member's earliness decides nothing

@@ -49,7 +49,7 @@ class IntakeMixin:
             self._accept_report(i, msg)
             return
         late = self.dropped.get(i, "").startswith(LATE)
-        if isinstance(msg, PushSlice) and late:
+        if isinstance(msg, PushSlice) and late and self.valid_late_push(i, msg):
             self.pushers.add(i)  # after our deadline: it pushed, it is late, not gone (peer.quiet)
         if i in self.dropped and not (late and isinstance(msg, SliceAveraged)):
             return  # a member dropped for lateness may still send its part; not one that lied
@@ -236,6 +236,7 @@ class IntakeMixin:
             raise RemoteProtocolError(f"part {msg.part} sent to the reducer of part {self.me}")
         if not self.collecting_pushes:
             log.info("late slice ignored peer=%s group=%s", self.peer_ids[i], self.group.group_id.hex())
+            self._check_late_push(i, msg)  # it counts as a sign of life (peer.quiet) only if it would have passed
             return
         self._check_slice(msg, self.me, self.pushed[i])
         if msg.weight != self.group.weights[i]:
@@ -250,6 +251,28 @@ class IntakeMixin:
         chunks.append((msg.offset, msg.numel, msg.payload))
         self.push_frames.setdefault(i, []).append((msg.offset, msg.numel, bytes(payload_digest), bytes(data)))
         self.pushed[i] += msg.numel
+
+    def valid_late_push(self, i: int | None, msg: PushSlice) -> bool:
+        """Whether a push of member ``i`` that came after we stopped collecting (also after the
+        round finished) would have passed the checks, its amount aside: only such a push shows
+        the member was late, not gone (``peer.quiet``). A bogus one clears nothing."""
+        if i is None or i == self.me:
+            return False
+        try:
+            self._check_late_push(i, msg)
+        except RemoteProtocolError as e:
+            log.info("late slice fails a check peer=%s reason=%s group=%s", self.peer_ids[i], e,
+                     self.group.group_id.hex())
+            return False
+        return True
+
+    def _check_late_push(self, i: int, msg: PushSlice) -> None:
+        if msg.part != self.me:
+            raise RemoteProtocolError(f"part {msg.part} sent to the reducer of part {self.me}")
+        self._check_slice(msg, self.me, 0)
+        if msg.weight != self.group.weights[i]:
+            raise RemoteProtocolError(f"weight {msg.weight} is not the group's {self.group.weights[i]}")
+        self.codec.decode(msg.payload, msg.numel)  # layout, scales and finiteness; raises
 
     def _check_mean(self, j: int, msg: SliceAveraged, covered: int) -> None:
         if msg.part != j:

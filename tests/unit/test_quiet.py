@@ -9,7 +9,9 @@ from peer.allreduce import Group
 from peer.allreduce_round import Round
 from peer.quiet import CLEAR_AFTER, DEADLINE_DROP, MEANS_DROP, QUIET_GRACE, QuietMembers, grace
 from protocol.codecs import get_codec
+from protocol.envelope import seal, verify
 from protocol.identity import Identity
+from protocol.messages_swarm import PushSlice
 
 N = 4
 GID = b"g" * 16
@@ -184,3 +186,50 @@ def test_a_reducer_whose_part_never_came_while_another_did_is_marked_and_a_round
     alone = finished_round(lacking=(1, 2, 3))  # no other part came either: our own trouble, maybe
     alone.dropped[3] = MEANS_DROP
     assert QuietMembers().judge(alone) == []
+
+
+def _late_round():
+    """A real round of four (we are member 0) past its push deadline, member 3 dropped there."""
+    keys = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(N)]
+    group = Group(run_id=b"r" * 20, fragment=0, round=1, group_id=GID, members=tuple(k.public_key for k in keys),
+                  weights=(1.0,) * N, numel=1024, codec="fp32", deadline_s=10.0)
+    rnd = Round(group, 0, torch.zeros(1024), get_codec("fp32"))
+    rnd.collecting_pushes = False
+    rnd.drop(3, DEADLINE_DROP)
+    return rnd, keys
+
+
+def _late_push(rnd, keys, sender, *, part=0, weight=1.0, values=None, codec="fp32"):
+    s, e = rnd.bounds[part]
+    values = torch.ones(e - s) if values is None else values
+    payload = values.numpy().tobytes() if codec == "fp32" else get_codec(codec).encode(values)  # NaN too (a liar's)
+    g = rnd.group
+    frame = seal(PushSlice(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id, part=part,
+                           offset=s, numel=e - s, shape=(e - s,), dtype="float32", codec=codec, weight=weight,
+                           stopping=False, payload=payload), keys[sender])
+    return verify(frame), frame
+
+
+def test_only_a_late_push_that_would_have_passed_the_checks_shows_a_member_was_late_not_gone():
+    """A late push counts as a sign of life (``Round.pushers``; after the round, it clears a cut
+    member's round, ``QuietMembers.late``) only if it would have passed the checks: one bogus
+    late frame per round would otherwise keep a ghost's mark from ever holding."""
+    rnd, keys = _late_round()
+    s, e = rnd.bounds[0]
+    nan = torch.full((e - s,), float("nan"))
+    for bad in (dict(part=1), dict(weight=1e9), dict(values=nan), dict(codec="fp16")):
+        v, frame = _late_push(rnd, keys, 3, **bad)
+        assert not rnd.valid_late_push(3, v.message)
+        rnd.accept(keys[3].peer_id, v, len(frame), frame)
+        assert 3 not in rnd.pushers, bad
+    v, frame = _late_push(rnd, keys, 3)
+    assert rnd.valid_late_push(3, v.message) and not rnd.valid_late_push(None, v.message)
+    rnd.accept(keys[3].peer_id, v, len(frame), frame)
+    assert 3 in rnd.pushers and rnd.dropped[3] == DEADLINE_DROP  # late, still dropped: not averaged
+    rnd.retire()  # finished: a late push is checked alike (peer.allreduce_inbound, QuietMembers.late)
+    assert rnd.valid_late_push(3, v.message) and not rnd.valid_late_push(3, _late_push(rnd, keys, 3, weight=2.0)[0].message)
+
+    rnd, keys = _late_round()  # a member not dropped whose push comes after we stopped collecting
+    v, frame = _late_push(rnd, keys, 2, values=torch.full((e - s,), float("inf")))
+    rnd.accept(keys[2].peer_id, v, len(frame), frame)
+    assert 2 not in rnd.pushers and rnd.dropped[2].startswith("PushSlice:")  # refused, as on time
