@@ -363,6 +363,7 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
             self._active.pop(gid, None)
             self._finished.append(gid)
             self._recent[gid] = rnd
+            rnd.undelivered = sum(1 for t in rnd.forwards if not t.done() or t.cancelled() or not t.result())
             while len(self._recent) > _RECENT_ROUNDS:
                 self._recent.popitem(last=False)
             for t in tasks:
@@ -378,6 +379,9 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         self._tell_landed(rnd, [i for i in range(rnd.n) if i != me and i not in rnd.finals and i not in rnd.gone])
         rnd.retire()
         self.audits.after(rnd, fallback, suspect=landing.inconsistent + rnd.unwitnessed())
+        if rnd.undelivered:
+            log.warning("parts forwarded to members that lacked them were not acknowledged in time forwards=%d: "
+                        "they may land without them, so not agreed group=%s", rnd.undelivered, gid.hex())
         if landing.disputed:
             log.warning("members hold different means of one part parts=%s group=%s: its reducer sent "
                         "different ones", list(landing.disputed), gid.hex())
@@ -386,7 +390,8 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         self.audits.spread(rnd)
         return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, landing.partial, tuple(sorted(rnd.repaired)),
-                                rnd.settled() and not landing.disputed and not rnd.apart() and self._finals_in(rnd, conformed),
+                                rnd.settled() and not landing.disputed and not rnd.apart() and self._finals_in(rnd, conformed)
+                                and not rnd.undelivered,
                                 tuple(rnd.clipped),
                                 tuple(bytes(rnd.group.members[j]) for j in implausible), offences, tuple(conformed),
                                 kept_waiting)

@@ -192,7 +192,11 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         self.early = False  # we had heard from no other member as our agreement began (took_part)
         self.bytes_received = 0
         self.sent = [0]  # bytes, added to by every send of this round
-        self.tasks: list[asyncio.Task[None]] = []  # this round's sends
+        self.tasks: list[asyncio.Task[Any]] = []  # this round's sends
+        # forwards of parts members reported lacking: one not acknowledged by the round's end
+        # leaves that member falling back on a part we land, so we do not say agreed
+        self.forwards: list[asyncio.Task[bool]] = []
+        self.undelivered = 0  # how many of them (set as the round ends)
         self.agree_deadline = 0.0  # event-loop time
         self.changed = asyncio.Event()
 

@@ -48,11 +48,12 @@ class SendMixin:
             sends.append((i, [[frame] for frame in rnd.convicted[j]]))
         for i, frames in sends:
             task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))
-            if isinstance(tasks, set):
+            if isinstance(tasks, set):  # a finished round's: its outcome is out
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             else:
                 tasks.append(task)
+                rnd.forwards.append(task)  # undelivered by the round's end: not agreed (Round.forwards)
 
     def _tell_landed(self, rnd: Round, members: list[int], again: bool = False) -> None:
         """Send ``members`` our final report: the parts we landed (``Round.landed``), each once
@@ -113,15 +114,17 @@ class SendMixin:
             rnd.changed.set()
 
     async def _deliver(self, rnd: Round, j: int, frames: list[list[Any]], deadline: float, sent: list[int],
-                       drop_on_failure: bool) -> None:
+                       drop_on_failure: bool) -> bool:
         """Send frames to member j by ``deadline``. A reducer we cannot reach will not reduce
-        our slice nor send us its part: drop it at once rather than wait for it."""
+        our slice nor send us its part: drop it at once rather than wait for it. -> whether
+        every frame was acknowledged."""
         remaining = deadline - asyncio.get_running_loop().time()
         try:
             if remaining <= 0:
                 raise asyncio.TimeoutError
             nbytes = await asyncio.wait_for(self._send_frames(rnd.peer_ids[j], frames), remaining)
             sent[0] += nbytes  # not ``sent[0] += await ...``: that reads sent[0] before the await
+            return True
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001  (any failure to reach a peer is that peer's problem)
@@ -129,3 +132,4 @@ class SendMixin:
             log.info("send failed reason=%s peer=%s detail=%s", reason, rnd.peer_ids[j], e)
             if drop_on_failure:
                 rnd.drop(j, reason)
+            return False

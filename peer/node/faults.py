@@ -93,10 +93,10 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
 
     async def lying_deliver(rnd, j: int, frames, deadline, sent, drop_on_failure):
         if "hush" in lies and not drop_on_failure:  # anything but a push
-            return
+            return True  # as if sent: its own round goes on as before
         ours = frames is rnd.frames.get(rnd.me)  # our reduced part, not a push or a forward
         if frames is rnd.own_frames and "blind" in lies:  # our own slice, to a witness
-            return
+            return True
         if frames is rnd.own_frames and "disown" in lies:
             frames = [[_scaled(averager, b"".join(bytes(x) for x in f), -1.0)] for f in frames]
         if drop_on_failure and "replay" in lies:  # a push
@@ -104,10 +104,10 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
             frames = old + frames
         if ours and j == (rnd.me + 1) % rnd.n:
             if "withhold" in lies:
-                return
+                return True
             if "equivocate" in lies:
                 frames = [[_scaled(averager, b"".join(bytes(x) for x in f), 1000.0)] for f in frames]
-        await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
+        return await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
 
     averager.allreduce, averager._encode, averager._deliver = lying_allreduce, lying_encode, lying_deliver
     if "hush" in lies:

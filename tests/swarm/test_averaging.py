@@ -139,7 +139,8 @@ def fault(av, behaviour: str) -> None:
     (the frame is never read, so never acknowledged: ``peer.outbox``); ``inflate:F`` reduces
     its part as it should, then multiplies the mean by F before it encodes, signs, sends and
     keeps it: one consistent lie, the same bytes for everyone; ``hush`` pushes its slices and
-    then sends nothing more; ``honest`` none."""
+    then sends nothing more; ``slowmean`` (honest, on a slow uplink) gets its reduced part, and
+    its forwards of it, to nobody before the agreement's deadline; ``honest`` none."""
     import asyncio
 
     av._deliver = type(av)._deliver.__get__(av)  # undo a fault of the previous command
@@ -152,13 +153,22 @@ def fault(av, behaviour: str) -> None:
         deliver = av._deliver
 
         async def pushes_only(rnd, j, frames, deadline, sent, drop_on_failure):
-            if drop_on_failure:
-                await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
+            return await deliver(rnd, j, frames, deadline, sent, drop_on_failure) if drop_on_failure else True
 
         async def no_report(rnd, i, frames):
             return None
 
         av._deliver, av._report = pushes_only, no_report
+        return
+    if behaviour == "slowmean":  # a slow uplink: our reduced part, and each forward of it, reach nobody in time
+        deliver = av._deliver
+
+        async def slow(rnd, j, frames, deadline, sent, drop_on_failure):
+            if frames is rnd.frames.get(rnd.me):
+                await asyncio.sleep(max(0.0, rnd.agree_deadline - asyncio.get_running_loop().time()) + 0.5)
+            return await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
+
+        av._deliver = slow
         return
     kind, k = behaviour.split(":")
     if kind == "inflate":  # as a reducer, our mean times k to everyone (and held so ourselves)
@@ -181,14 +191,14 @@ def fault(av, behaviour: str) -> None:
 
     async def faulty(rnd, j, frames, deadline, sent, drop_on_failure):
         if j == target and kind == "withhold" and frames is rnd.frames.get(rnd.me):
-            return  # our mean, withheld from one contributor, also when it reports lacking it
+            return True  # our mean, withheld from one contributor, also when it reports lacking it
         if j == target and kind == "equivocate" and frames is rnd.frames.get(rnd.me):
             frames = [other_mean(av, b"".join(bytes(x) for x in f), 1000.0) for f in frames]
         if j == target and kind == "late" and drop_on_failure:
             loop = asyncio.get_running_loop()
             await asyncio.sleep(max(0.0, deadline - loop.time()) + 0.3)
             deadline = loop.time() + 5.0
-        await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
+        return await deliver(rnd, j, frames, deadline, sent, drop_on_failure)
 
     av._deliver = faulty
 
@@ -479,6 +489,27 @@ def test_asymmetric_drops_are_repaired_within_the_round_so_every_member_lands_th
         assert elapsed < (1 + RESULT_GRACE) * deadline + 2.0, "the agreement did not wait for the deadline"
     assert 1 in replies[3][7]["repaired"] and 0 in replies[2][7]["repaired"]
     assert any("forwarding reduced part" in ln for r in replies for ln in r[6])
+
+
+def test_a_reducer_whose_part_reached_nobody_in_time_does_not_say_agreed_where_the_others_fell_back(swarm):
+    """Member 3's reduced part, and its forwards of it to the members that reported lacking
+    it, come too late: the others fall back on part 3. Member 3 holds its own part and every
+    report, so its agreement completes; but a forward it made was not acknowledged by the
+    round's end, so it cannot know the others landed part 3 and must not say agreed (it lands
+    apart from them, and only a round that is not agreed has the nodes compare states)."""
+    peers = swarm(4)
+    weights = [1.0, 2.0, 3.0, 4.0]
+    fields = group_fields(peers, weights, "fp32", group_id=b"slow-uplink".ljust(16, b"\0"), deadline_s=2.0)
+    for i, p in enumerate(peers):
+        p.cmd.put(("allreduce", fields, 480 + i, "slowmean" if i == 3 else "honest"))
+    replies = [p.reply() for p in peers]
+    for i, (kind, avg, dropped, fallback, _, _, lines, more) in enumerate(replies[:3]):
+        assert kind == "done" and fallback == (3,) and not more["agreed"], (i, dropped, fallback, lines)
+        end = slice_bounds(NUMEL, 4)[2][1]  # parts 0-2 alike (on part 3 each keeps its own values)
+        assert torch.equal(as_tensor(avg)[:end], as_tensor(replies[0][1])[:end]), f"member {i}: {lines}"
+    kind, _, _, fallback, _, _, lines, more = replies[3]
+    assert kind == "done" and fallback == () and not more["agreed"], lines
+    assert any("not acknowledged in time" in ln for ln in lines), lines
 
 
 def test_a_member_that_starts_after_the_others_landed_lands_what_they_landed(swarm):
