@@ -160,6 +160,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         for it only briefly once the others have pushed; so do the means phase for its reduced
         part and the agreement for its report, once everyone else's is in."""
         self.heard: set[int] = set()  # members a verified frame of this group came from
+        self.acked: set[int] = set()  # members that acknowledged frames of ours: reachable, reading (peer.quiet)
         self.pushers: set[int] = set()  # members a verified push of this group came from (to us, or witnessed)
         self.cut: set[int] = set()  # quiet members the push phase stopped waiting for (``peer.quiet``)
         self.waived: set[int] = set()  # quiet members whose reduced part or report we stopped waiting for
@@ -218,32 +219,40 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         the deadline again), and one that reported is waited for in the agreement anyway."""
         return [i for i in self.quiet if i not in self.pushers and i not in self.dropped]
 
+    def only_quiet_others(self) -> bool:
+        """Every other member is quiet (``peer.quiet``): no member that is not could show that
+        we are early rather than they silent (a group of two with a ghost in it would otherwise
+        cost 2.5 D every round: a push, a means and an agreement deadline)."""
+        return all(i in self.quiet for i in range(self.n) if i != self.me)
+
     def pushes_done_but_quiet(self) -> bool:
         """Some quiet member is still silent, every other member's push of our slice is in, and
-        at least one other member pushed (``peer.quiet``)."""
+        at least one other member pushed, or every other member is quiet (``peer.quiet``)."""
         silent = self.silent_quiet()
         size = self.size(self.me)
         rest = [i for i in range(self.n) if i != self.me and i not in self.dropped and i not in silent]
-        return bool(silent) and all(self.pushed[i] == size for i in rest) and any(self.pushed[i] for i in rest)
+        return bool(silent) and all(self.pushed[i] == size for i in rest) and (
+            any(self.pushed[i] for i in rest) or self.only_quiet_others())
 
     def means_done_but_quiet(self) -> list[int]:
         """The parts we still wait for when all are of quiet reducers and we hold another
-        reducer's part (``peer.quiet``); else []."""
+        reducer's part, or every other member is quiet (``peer.quiet``); else []."""
         lacking = [j for j in range(self.n) if j != self.me and j not in self.dropped and self.got[j] != self.size(j)]
         if not lacking or any(j not in self.quiet for j in lacking):
             return []
-        return lacking if any(self.holds(j) for j in range(self.n) if j != self.me) else []
+        held = any(self.holds(j) for j in range(self.n) if j != self.me)
+        return lacking if held or self.only_quiet_others() else []
 
     def agreed_but_quiet(self) -> bool:
         """The agreement is complete but for the reports of quiet members, and another member
-        reported (``peer.quiet``)."""
+        reported, or every other member is quiet (``peer.quiet``)."""
         waiting = [i for i in self.took_part() if i not in self.reports]
         if not waiting or any(i not in self.quiet for i in waiting) or self.unproven():
             return False
         for j in self.wanted():  # a part we lack that only quiet members say they hold is not waited for
             if any(r[j] and i not in self.quiet for i, r in (*self.reports.items(), *self.finals.items())):
                 return False
-        return any(i != self.me and i not in waiting for i in self.reports)
+        return any(i != self.me and i not in waiting for i in self.reports) or self.only_quiet_others()
 
     def held_elsewhere_at(self, grace: float) -> float:
         """When each part we lack will have been reported held by another member for ``grace``

@@ -106,6 +106,7 @@ class SendMixin:
             left = rnd.agree_deadline - loop.time()
             nbytes = await asyncio.wait_for(self._send_frames(rnd.peer_ids[i], frames), max(left, 0.001))
             rnd.sent[0] += nbytes
+            rnd.acked.add(i)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001  (as in _deliver: failing to reach a peer is its problem)
@@ -124,6 +125,7 @@ class SendMixin:
                 raise asyncio.TimeoutError
             nbytes = await asyncio.wait_for(self._send_frames(rnd.peer_ids[j], frames), remaining)
             sent[0] += nbytes  # not ``sent[0] += await ...``: that reads sent[0] before the await
+            rnd.acked.add(j)
             return True
         except asyncio.CancelledError:
             raise

@@ -105,12 +105,13 @@ class QuietMembers:
         sent us a frame that failed a check; count a round for each marked one that pushed and
         reported, and clear it after ``CLEAR_AFTER``; leave one we cut or waived as it is.
         Members banned for a lie are left to ``peer.bans``; a round in which we heard no other
-        member marks nobody. -> the indices marked."""
+        member marks only members that acknowledged our frames (they are there, and read them:
+        in a group of two with a ghost we hear nobody, every round). -> the indices marked."""
         marked = []
         for i in range(rnd.n):
             peer_id = rnd.peer_ids[i]
-            if i == rnd.me or peer_id in rnd.banned or i in rnd.excluded or not rnd.heard - {i}:
-                continue
+            if i == rnd.me or peer_id in rnd.banned or i in rnd.excluded or not (rnd.heard - {i} or i in rnd.acked):
+                continue  # we heard nobody else, and it took none of our frames: our own outage, perhaps
             reported = i in rnd.reports or i in rnd.finals
             refused = i in rnd.dropped and not rnd.dropped[i].startswith((*LATE, "unreachable"))
             no_part = rnd.dropped.get(i) == MEANS_DROP and any(rnd.holds(j) for j in range(rnd.n) if j not in (i, rnd.me))
@@ -121,10 +122,12 @@ class QuietMembers:
                 self._cut.setdefault(bytes(rnd.group.group_id), set()).add(peer_id)
             elif i in rnd.waived:
                 pass  # still quiet: it pushed, and then let us down again
-            elif rnd.dropped.get(i) == DEADLINE_DROP or (  # we waited the whole push deadline for it,
-                    i in rnd.pushers and not reported and i not in rnd.gone and rnd.agree_timed_out  # or for its report
-                    and any(j != i for j in rnd.reports)) or refused or no_part:  # or a bad frame, or no part
-                # (we waited the means' whole deadline for its part, and got another reducer's)
+            elif rnd.dropped.get(i) == DEADLINE_DROP or refused or no_part or (  # we waited the whole push
+                    # deadline for it, or it sent a bad frame, or we waited the means' whole deadline for its part
+                    # and got another reducer's; or we waited the agreement's for its report, and another
+                    # member reported (in a pair: it took ours)
+                    i in rnd.pushers and not reported and i not in rnd.gone and rnd.agree_timed_out
+                    and (any(j != i for j in rnd.reports) or (rnd.n == 2 and i in rnd.acked))):
                 self._marks[peer_id] = 0
                 self._marks.move_to_end(peer_id)
                 marked.append(i)

@@ -18,19 +18,21 @@ GID = b"g" * 16
 
 
 def finished_round(heard=(1, 2, 3), cut=(), banned=(), gid=GID, ids=None, reported=(), unreachable=(), hushed=(),
-                   timed_out=False, waived=(), lacking=()):
+                   timed_out=False, waived=(), lacking=(), acked=None, n=N):
     """A finished round of four members as ``QuietMembers.judge`` reads it (we are member 0):
     ``heard`` pushed to us and reported, unless ``hushed`` (then they only pushed: the agreement
     ran to its deadline if ``timed_out``, or stopped waiting for the ``waived`` ones), ``reported``
-    only reported; the others were dropped at the push deadline, or at once as ``unreachable``."""
+    only reported; the others were dropped at the push deadline, or at once as ``unreachable``.
+    ``acked``: the members that acknowledged our frames (by default those we heard)."""
     dropped = {i: "unreachable:gone" if i in unreachable else DEADLINE_DROP
-               for i in range(1, N) if i not in heard and i not in cut}
+               for i in range(1, n) if i not in heard and i not in cut}
     dropped.update({i: "timeout:slice not received, quiet" for i in cut})
     reports = {i: () for i in (*heard, *reported) if i not in hushed}
-    return SimpleNamespace(n=N, me=0, peer_ids=ids or [f"peer{i}" for i in range(N)], heard=set(heard) | set(reported),
+    return SimpleNamespace(n=n, me=0, peer_ids=ids or [f"peer{i}" for i in range(n)], heard=set(heard) | set(reported),
                            pushers=set(heard), cut=set(cut), dropped=dropped, banned=set(banned),
                            excluded=frozenset(), group=SimpleNamespace(group_id=gid), reports=reports, finals={},
                            gone=set(), waived=set(waived), agree_timed_out=timed_out,
+                           acked=set(heard) | set(reported) if acked is None else set(acked),
                            size=lambda j: 256, holds=lambda j: j not in lacking)
 
 
@@ -66,6 +68,18 @@ def test_a_round_we_heard_nobody_in_marks_nobody_and_banned_members_are_left_to_
     assert quiet.judge(finished_round(heard=())) == [] and len(quiet) == 0  # our own outage, or we are early
     assert quiet.judge(finished_round(heard=(1, 2), banned={"peer3"})) == []
     assert quiet.judge(finished_round(heard=(1, 2), unreachable=(3,))) == []  # not waited for: says nothing
+
+
+def test_in_a_group_of_two_a_partner_that_took_our_frames_and_sent_nothing_is_marked():
+    """We hear nobody in a pair with a ghost, every round: without a mark it held each of them
+    to 2.5 D (push, means and agreement deadlines). A partner that acknowledged our frames is
+    there and reading; one that did not may be our own outage, and is not marked."""
+    quiet = QuietMembers()
+    assert quiet.judge(finished_round(heard=(), n=2)) == [] and len(quiet) == 0  # nothing went through
+    assert quiet.judge(finished_round(heard=(), n=2, acked=(1,))) == [1] and "peer1" in quiet
+    hush = QuietMembers()  # it pushed, then sent no report while we waited the agreement's deadline
+    assert hush.judge(finished_round(heard=(1,), hushed=(1,), timed_out=True, n=2, acked=())) == []
+    assert hush.judge(finished_round(heard=(1,), hushed=(1,), timed_out=True, n=2)) == [1]
 
 
 def test_marks_are_bounded_and_the_grace_grows_with_the_others_time():
@@ -233,3 +247,23 @@ def test_only_a_late_push_that_would_have_passed_the_checks_shows_a_member_was_l
     v, frame = _late_push(rnd, keys, 2, values=torch.full((e - s,), float("inf")))
     rnd.accept(keys[2].peer_id, v, len(frame), frame)
     assert 2 not in rnd.pushers and rnd.dropped[2].startswith("PushSlice:")  # refused, as on time
+
+
+def test_when_every_other_member_is_quiet_no_other_push_part_or_report_is_needed_to_stop_waiting():
+    """In a pair with a quiet partner (or a group of quiet members only) nobody else can show
+    that we are early rather than they silent: each phase waits for them only the grace."""
+    keys = [Identity.from_seed(bytes([i + 1]) * 32).public_key for i in range(2)]
+    group = Group(run_id=b"r" * 20, fragment=0, round=1, group_id=GID, members=tuple(keys), weights=(1.0,) * 2,
+                  numel=1024, codec="fp32", deadline_s=10.0)
+    rnd = Round(group, 0, torch.zeros(1024), get_codec("fp32"))
+    assert not rnd.pushes_done_but_quiet() and rnd.means_done_but_quiet() == []
+    rnd.quiet = frozenset({1})
+    assert rnd.only_quiet_others() and rnd.pushes_done_but_quiet()
+    rnd.pushed[1] = rnd.size(0)
+    rnd.pushers.add(1)
+    assert not rnd.pushes_done_but_quiet()  # it pushed: not silent
+    assert rnd.means_done_but_quiet() == [1]  # its part alone is missing
+    rnd.early = True  # we heard nobody as the agreement began: its report is waited for
+    assert 1 in rnd.took_part() and rnd.agreed_but_quiet() and not rnd.agreed()
+    rnd.quiet = frozenset()
+    assert not rnd.agreed_but_quiet() and rnd.means_done_but_quiet() == []  # not quiet: the full waits
