@@ -111,3 +111,33 @@ def test_a_member_that_pushes_and_then_falls_silent_holds_one_round_to_the_agree
                 assert elapsed > 2.5 * deadline - 0.5 and not waived
             else:  # quiet: waited for briefly once every other member's part and report were in
                 assert elapsed < deadline and waived, (elapsed, lines[-20:])
+
+
+@pytest.mark.parametrize("lie", ["ghost", "hush"])
+def test_a_pair_with_a_silent_partner_waits_its_deadlines_once_and_then_only_briefly(swarm, lie):  # noqa: F811
+    """In a group of two we hear nobody but the partner: a ghost (it took our frames, sent
+    nothing) or a hush key (it pushed, then no part and no report) used to hold every round to
+    2.5 D, never marked, since a round in which we heard no other member marked nobody. Its
+    acknowledgements show it is there: the first round waits the deadlines, the next ones
+    only the grace, and we land our own part and keep our values on its (alone in effect)."""
+    peers = swarm(2)
+    weights, deadline = [1.0, 2.0], 4.0
+    seeds = {0: 950, 1: 951}
+    vectors = [make_vector(seeds[i]) for i in range(2)]
+    bounds = slice_bounds(NUMEL, 2)
+    partner = _peer_id(peers[1].public_key)
+    for n, name in enumerate((b"pair-1", b"pair-2", b"pair-3")):
+        fields = group_fields(peers, weights, "fp32", group_id=(lie.encode() + name).ljust(16, b"\0"),
+                              deadline_s=deadline)
+        members = [0] if lie == "ghost" else [0, 1]  # a ghost never starts the round
+        kind, avg, dropped, fallback, _, elapsed, lines, extra = _round(peers, members, fields, seeds, {1: "hush"})[0]
+        assert kind == "done" and dropped == (1,) and fallback == (1,) and not extra["agreed"], lines[-20:]
+        got = as_tensor(avg)
+        ours = partial_reference(vectors, weights, members, "fp32")[0]  # a hush key's push counts
+        assert torch.equal(got[slice(*bounds[0])], ours)
+        assert torch.equal(got[slice(*bounds[1])], vectors[0][slice(*bounds[1])])  # its part: our own values
+        if n == 0:
+            assert elapsed > 2.5 * deadline - 0.5
+        else:
+            assert elapsed < deadline, (elapsed, lines[-20:])
+            assert any(QUIET in ln for ln in lines if f"peer={partner}" in ln), lines[-20:]
