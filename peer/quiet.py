@@ -6,8 +6,10 @@ for an honest member that is late, and the ghost would hold every group it is in
 (``deadline_s`` per sync, for good).
 
 So the averager remembers the members from which no push of a round came while it waited
-for them the whole push deadline (and it heard from another member of that round: a round in
-which we heard nobody, our own outage or our own earliness, marks nobody). Such a member is
+for them the whole push deadline (and it heard from another member of that round, or the
+member acknowledged frames of ours: a round in which we heard nobody and nothing we sent was
+taken, our own outage, marks nobody; in a group of two with a ghost we hear nobody every
+round, but the ghost takes our pushes and report). Such a member is
 *quiet*. In our next round with it, as long as no push of it has come in that round (to us,
 or its own slice to us as its witness), the push phase waits for it only
 ``max(QUIET_GRACE x deadline_s, the others' time)`` once every other member has pushed (and at
@@ -22,13 +24,17 @@ the agreement that follows, ``peer.allreduce_round``, gives them one result what
 dropped). A quiet member that pushed has its late part dropped, or its report given up, only
 after a grace once everyone else's is in (below), and such a round is never ``agreed``: the
 nodes compare their states after it.
-With no other member done (a group of two, or we are early), the quiet one gets the full wait,
-so the phase lock of a shared round's end (``peer.matchmaking``) stays.
+With no other member done while one that is not quiet is still to come (we may be early), the
+quiet one gets the full wait, so the phase lock of a shared round's end (``peer.matchmaking``)
+stays. When every other member is quiet (a pair with a ghost), nobody can show that we are
+early rather than they silent, and each phase waits for them only the grace: such a pair cost
+2.5 x deadline_s every round (a lagging node's rounds with a ghost took 50 s each at the demo's
+pacing). A quiet partner that was only early lands what we landed when it comes (our final).
 
 A member that pushes and then falls silent (no reduced part, no report: the ``hush`` lie)
 would hold the means to ``1.5 x deadline_s`` and the agreement to ``2.5 x`` every round. So a
 member whose report never came while the agreement waited its whole deadline for it, and
-another member reported, is marked too. In our next rounds with it, once its part (if it has
+another member reported (in a pair: it acknowledged ours), is marked too. In our next rounds with it, once its part (if it has
 one: a leader that holds it quiet gives it none, ``GroupFormed.idle``) or its report is all
 that is missing, and another reducer's part or member's report is in, the wait for it is the
 same grace; then its part is dropped as late, or its report given up (``Round.waived``). Such
