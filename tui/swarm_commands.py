@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -30,8 +31,9 @@ def _fail(msg: str) -> int:
 def _progress(prefix: str, ev: dict) -> None:
     if ev.get("event") == "synced":
         how = "alone (no group formed)" if ev["alone"] else f"dropped {ev['dropped']}" if ev["dropped"] else "ok"
+        loss = ev["train_loss"]  # NaN until a step of ours was measured (a joiner that synced at once)
         print(f"{prefix}step {ev['step']:>5}  fragment {ev['fragment']} round {ev['round']:>3}  "
-              f"train_loss {ev['train_loss']:.4f}  {how}", file=sys.stderr, flush=True)
+              f"train_loss {'-' if math.isnan(loss) else f'{loss:.4f}':>6}  {how}", file=sys.stderr, flush=True)
     elif ev.get("event") == "banned":
         print(f"{prefix}banned peer {ev['peer'][:16]}... for a proven lie: {ev['reason']}", file=sys.stderr,
               flush=True)
