@@ -350,12 +350,16 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
             await self._agree(rnd)
             phases.append(loop.time() - t0)
             rnd.collecting_means = False
-            while True:  # our sends, forwards answering reports that come meanwhile included
+            while True:  # our sends, forwards answering reports that come meanwhile included, and the
+                # finals of members a forward failed to reach (another forwarder's may have: Round.forwards)
                 unsent = [t for t in tasks if not t.done()]
                 left = rnd.agree_deadline - loop.time()
-                if not unsent or left <= 0:
+                if not (unsent or rnd.forwards_failed()) or left <= 0:
                     break
-                await asyncio.wait(unsent, timeout=left)
+                rnd.changed.clear()  # a final sets it
+                final = asyncio.ensure_future(rnd.changed.wait())
+                await asyncio.wait([*unsent, final], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                final.cancel()
             phases.append(loop.time() - t0)
             log.info("all-reduce phases pushes=%.3f means=%.3f agreed=%.3f sent=%.3f group=%s", *phases, gid.hex())
         finally:
@@ -363,7 +367,6 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
             self._active.pop(gid, None)
             self._finished.append(gid)
             self._recent[gid] = rnd
-            rnd.undelivered = sum(1 for t in rnd.forwards if not t.done() or t.cancelled() or not t.result())
             while len(self._recent) > _RECENT_ROUNDS:
                 self._recent.popitem(last=False)
             for t in tasks:
@@ -372,6 +375,7 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
                 await asyncio.gather(*tasks, return_exceptions=True)
 
         landing = rnd.land()
+        rnd.undelivered = rnd.forwards_undelivered()  # (its sends are done or cancelled by now)
         fallback, implausible, conformed = landing.fallback, landing.implausible, landing.conformed
         for i in self.quiet.judge(rnd):
             log.info("member silent through the round: a short wait for it next time peer=%s group=%s",

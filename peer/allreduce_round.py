@@ -194,9 +194,9 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         self.bytes_received = 0
         self.sent = [0]  # bytes, added to by every send of this round
         self.tasks: list[asyncio.Task[Any]] = []  # this round's sends
-        # forwards of parts members reported lacking: one not acknowledged by the round's end
-        # leaves that member falling back on a part we land, so we do not say agreed
-        self.forwards: list[asyncio.Task[bool]] = []
+        # forwards of parts members reported lacking, (member, part, send): one not acknowledged by
+        # the round's end may leave that member falling back on a part we land: not agreed
+        self.forwards: list[tuple[int, int, asyncio.Task[bool]]] = []
         self.undelivered = 0  # how many of them (set as the round ends)
         self.agree_deadline = 0.0  # event-loop time
         self.changed = asyncio.Event()
@@ -218,6 +218,28 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         alone does not restore the full wait (one tiny frame per round would cost every round
         the deadline again), and one that reported is waited for in the agreement anyway."""
         return [i for i in self.quiet if i not in self.pushers and i not in self.dropped]
+
+    def forwards_undelivered(self) -> int:
+        """How many of our forwards of parts we landed (``land`` first) may not have reached their
+        member in time: its final, if in, shows the part landed as we did (then it got it, from
+        us or another forwarder), or not; without its final, the send's acknowledgement is all
+        we know. A part we fell back on in the end needs no forward."""
+        mine = self.landed
+        out = 0
+        for i, j, task in self.forwards:
+            if not mine[j]:
+                continue
+            if i in self.finals:
+                out += self.finals[i][j] != mine[j]
+            else:
+                out += not task.done() or task.cancelled() or task.exception() is not None or not task.result()
+        return out
+
+    def forwards_failed(self) -> list[int]:
+        """Members a forward of ours failed to reach (or has not yet) whose final is not in: it
+        may have got the part from another forwarder, which its final will show."""
+        return sorted({i for i, _, task in self.forwards if i not in self.finals and task.done()
+                       and (task.cancelled() or task.exception() is not None or not task.result())})
 
     def only_quiet_others(self) -> bool:
         """Every other member is quiet (``peer.quiet``): no member that is not could show that

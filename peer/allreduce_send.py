@@ -53,7 +53,7 @@ class SendMixin:
                 task.add_done_callback(tasks.discard)
             else:
                 tasks.append(task)
-                rnd.forwards.append(task)  # undelivered by the round's end: not agreed (Round.forwards)
+                rnd.forwards.append((i, j, task))  # undelivered by the round's end: not agreed (Round.forwards)
 
     def _tell_landed(self, rnd: Round, members: list[int], again: bool = False) -> None:
         """Send ``members`` our final report: the parts we landed (``Round.landed``), each once

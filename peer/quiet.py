@@ -124,6 +124,9 @@ class QuietMembers:
             if i in rnd.pushers and reported and not refused and rnd.size(i) and rnd.holds(i):  # all its part
                 # (not an idle round: one that keeps its part to itself looks honest there)
                 self._heard(peer_id)
+            elif i in rnd.cut and i in rnd.pushers:  # its push came after we cut it, and passed the
+                self._heard(peer_id)  # checks: late, not gone, as QuietMembers.late (its report came after
+                # we finished: an honest member a grace late would otherwise be cut every round, for good)
             elif i in rnd.cut:
                 self._cut.setdefault(bytes(rnd.group.group_id), set()).add(peer_id)
             elif i in rnd.waived:

@@ -1,6 +1,7 @@
 """Which members of a finished round are marked quiet (peer.quiet), what clears a mark, what
 marks nobody, and when the push phase stops waiting for a quiet member (Round)."""
 
+import asyncio
 from types import SimpleNamespace
 
 import torch
@@ -267,3 +268,52 @@ def test_when_every_other_member_is_quiet_no_other_push_part_or_report_is_needed
     assert 1 in rnd.took_part() and rnd.agreed_but_quiet() and not rnd.agreed()
     rnd.quiet = frozenset()
     assert not rnd.agreed_but_quiet() and rnd.means_done_but_quiet() == []  # not quiet: the full waits
+
+
+def test_a_cut_member_whose_valid_push_came_during_the_round_counts_as_heard():
+    """An honest member a little more than the grace late is cut; its push still comes while we
+    are in the round (its report after we finished). That round counts towards clearing its
+    mark, as a push after the round does (a review: marked once, it was cut every round, for
+    good, and in a pair waited the means' deadline each time)."""
+    quiet = QuietMembers()
+    quiet.judge(finished_round(heard=(1, 2)))
+    for k in range(CLEAR_AFTER):
+        r = finished_round(heard=(1, 2), cut=(3,), gid=bytes([k]) * 16)
+        r.pushers.add(3)  # passed the checks (Round.valid_late_push)
+        assert quiet.judge(r) == []
+    assert "peer3" not in quiet
+
+
+def test_a_forward_counts_as_delivered_by_its_members_final_else_by_its_acknowledgement():
+    """``Round.forwards_undelivered``: a member's final, once in, says whether it landed the part
+    as we hold it (it may have got it from another forwarder after ours failed); without its
+    final, the send's acknowledgement is all there is. ``forwards_failed``: the members whose
+    final is worth waiting for."""
+    keys = [Identity.from_seed(bytes([i + 1]) * 32).public_key for i in range(3)]
+    group = Group(run_id=b"r" * 20, fragment=0, round=1, group_id=GID, members=tuple(keys), weights=(1.0,) * 3,
+                  numel=1024, codec="fp32", deadline_s=10.0)
+
+    async def run():
+        rnd = Round(group, 0, torch.zeros(1024), get_codec("fp32"))
+        rnd.contributors[2], rnd.mean_chunks[2], rnd.got[2], rnd.frames[2] = (0, 1, 2), [], rnd.size(2), []
+        mine = rnd.landed = rnd.digests()  # as Round.land sets it: nothing fell back
+        assert mine[2]
+
+        async def sent(ok):
+            return ok
+
+        ok, failed = asyncio.create_task(sent(True)), asyncio.create_task(sent(False))
+        await asyncio.gather(ok, failed)
+        rnd.forwards = [(1, 2, ok)]
+        assert rnd.forwards_undelivered() == 0 and rnd.forwards_failed() == []
+        rnd.forwards = [(1, 2, failed)]
+        assert rnd.forwards_undelivered() == 1 and rnd.forwards_failed() == [1]
+        rnd.finals[1] = mine  # it landed the part as we hold it: another forwarder's reached it
+        assert rnd.forwards_undelivered() == 0 and rnd.forwards_failed() == []
+        rnd.forwards = [(1, 2, ok)]
+        rnd.finals[1] = (mine[0], mine[1], b"")  # acknowledged, yet it landed without it
+        assert rnd.forwards_undelivered() == 1
+        rnd.landed = (mine[0], mine[1], b"")  # we fell back on it in the end too: nothing undelivered
+        assert rnd.forwards_undelivered() == 0
+
+    asyncio.run(run())
