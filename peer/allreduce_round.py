@@ -236,8 +236,8 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         return out
 
     def forwards_failed(self) -> list[int]:
-        """Members a forward of ours failed to reach (or has not yet) whose final is not in: it
-        may have got the part from another forwarder, which its final will show."""
+        """Members a forward of ours failed to reach whose final is not in: it may have got the
+        part from another forwarder, which its final will show."""
         return sorted({i for i, _, task in self.forwards if i not in self.finals and task.done()
                        and (task.cancelled() or task.exception() is not None or not task.result())})
 
