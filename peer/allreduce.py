@@ -61,8 +61,9 @@ repair rounds later.
 Fallback. A part that nobody reported holding by then (its reducer died, or failed every
 member) holds *this member's own value* in the returned average, and is listed in
 ``AllReduceOutcome.fallback_parts``. ``peer.node``, whose vectors are pseudo-gradients,
-replaces those parts with zeros (that slice of the global copy stays where it was), which is
-the same on every surviving member.
+replaces those parts with zeros (only the outer momentum moves that slice of the global copy),
+which is the same on every surviving member, and keeps its local weights there: the inner
+steps' progress on them goes into its next pseudo-gradient (``OuterFragment.merge_into_local``).
 
 Memory bounds (``peer.inbox``). Frames may arrive before the local member has called
 ``allreduce`` for their group (it learned of the group a little later than the sender). They

@@ -13,6 +13,8 @@ single subtraction and the optimizer steps one tensor.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from protocol.config import OuterConfig
@@ -121,8 +123,18 @@ class OuterFragment:
             offset += p.numel()
 
     @torch.no_grad()
-    def merge_into_local(self, alpha: float) -> None:
-        """local <- alpha * local + (1 - alpha) * global (alpha = 0 replaces local)."""
+    def merge_into_local(self, alpha: float, keep: Sequence[tuple[int, int]] = ()) -> None:
+        """local <- alpha * local + (1 - alpha) * global (alpha = 0 replaces local), except in
+        the element ranges ``keep`` (``[start, end)``), whose local values stay: the averaging
+        fell back there (no agreed mean), so the inner steps' progress on them is not thrown
+        away but carried into the next pseudo-gradient of the fragment."""
+        if keep:
+            local = self.local_flat()
+            merged = self.global_flat.clone() if alpha == 0.0 else local * alpha + self.global_flat * (1.0 - alpha)
+            for start, end in keep:
+                merged[start:end] = local[start:end]
+            self.set_local(merged)
+            return
         offset = 0
         for p in self.params:
             g = self.global_flat[offset: offset + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype)

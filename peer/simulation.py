@@ -43,14 +43,21 @@ class SimulationConfig:
     liar_scale: float = 0.0
     """If not 0, the last worker lies: it sends its pseudo-gradients multiplied by this (a
     validly signed member pushing x1000); its own copy lands the true average like the others."""
+    fallback_every: int = 0
+    """If not 0, every this many syncs one part of the fragment (reducer ``j``, a different one
+    each time) gets no agreed mean, as in the swarm when its reducer fails or a ghost leads the
+    group: every worker takes a zero delta there and keeps its local weights there."""
+    fallback_resets_local: bool = False
+    """With ``fallback_every``: reset the local weights there to the global copy instead, as the
+    node did before (the inner steps' progress on that part is lost): ``bench/fallback.py``."""
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.steps < 1:
             raise ConfigError("simulation needs workers >= 1 and steps >= 1")
         if not math.isfinite(self.liar_scale):
             raise ConfigError("liar_scale must be finite")
-        if self.eval_every < 0 or self.eval_batches < 1:
-            raise ConfigError("eval_every must be >= 0 and eval_batches >= 1")
+        if self.eval_every < 0 or self.eval_batches < 1 or self.fallback_every < 0:
+            raise ConfigError("eval_every and fallback_every must be >= 0, eval_batches >= 1")
 
 
 @dataclass(slots=True)
@@ -138,7 +145,8 @@ class Simulation:
         self.sent_total = [0] * cfg.workers
         self.peak = 0
         self.events = 0
-        self.in_flight: dict[int, torch.Tensor] = {}  # fragment -> average not yet visible
+        self.in_flight: dict[int, tuple[torch.Tensor, tuple]] = {}  # fragment -> (average not yet visible,
+        # the element ranges that fell back in it: fallback_every)
         self.train_loss = float("nan")
 
     def _account(self, sent: list[int]) -> None:
@@ -167,15 +175,22 @@ class Simulation:
                     deltas[-1] = deltas[-1] * self.cfg.liar_scale
                 avg, sent = allreduce(deltas, weights, self.codec, tc.sync.clip)
                 self._account(sent)
-                self.in_flight[p] = avg  # visible to the workers only after `tau` more steps
+                kept: tuple = ()
+                every = self.cfg.fallback_every
+                if every and self.events % every == 0 and len(workers) > 1:
+                    j = (self.events // every) % len(workers)  # this sync's failed reducer
+                    kept = (slice_bounds(avg.numel(), len(workers))[j],)
+                    for start, end in kept:
+                        avg[start:end] = 0.0
+                self.in_flight[p] = (avg, kept)  # visible to the workers only after `tau` more steps
             for p in self.schedule.lands_after(self.step_count):
                 self.land(p)
         return self.train_loss
 
     def land(self, fragment: int) -> None:
-        avg = self.in_flight.pop(fragment)
+        avg, kept = self.in_flight.pop(fragment)
         for w in self.workers:
-            w.apply_outer(fragment, avg)
+            w.apply_outer(fragment, avg, () if self.cfg.fallback_resets_local else kept)
 
     def flush(self) -> None:
         """Apply averages still in flight, as if training had waited tau steps for them."""

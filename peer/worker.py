@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -191,10 +192,11 @@ class Worker:
         self.tokens_since_sync[fragment] = 0
         return self.outer[fragment].pseudo_gradient(), weight
 
-    def apply_outer(self, fragment: int, avg_delta: torch.Tensor) -> None:
-        """Outer step on the fragment's global copy, then merge it into the local weights."""
+    def apply_outer(self, fragment: int, avg_delta: torch.Tensor, keep: Sequence[tuple[int, int]] = ()) -> None:
+        """Outer step on the fragment's global copy, then merge it into the local weights, except
+        in the element ranges ``keep``, where the averaging fell back (``OuterFragment.merge_into_local``)."""
         self.outer[fragment].step(avg_delta)
-        self.outer[fragment].merge_into_local(self.cfg.sync.alpha)
+        self.outer[fragment].merge_into_local(self.cfg.sync.alpha, keep)
 
     @contextlib.contextmanager
     def global_weights(self):

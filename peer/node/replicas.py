@@ -200,8 +200,8 @@ class ReplicatedWorker(GroupWorker):
 
     # -- rank 0: what the node calls ------------------------------------------------------
 
-    def apply_outer(self, fragment: int, avg_delta: torch.Tensor) -> None:
-        super().apply_outer(fragment, avg_delta)
+    def apply_outer(self, fragment: int, avg_delta: torch.Tensor, keep=()) -> None:
+        super().apply_outer(fragment, avg_delta, keep)
         _send(PARAMS, fragment)
         self._broadcast_params(fragment)
 

@@ -99,7 +99,10 @@ class ShardedFragment(OuterFragment):
     def set_local(self, flat: torch.Tensor) -> None:
         self.owner.scatter(self.fragment, flat, 0.0)
 
-    def merge_into_local(self, alpha: float) -> None:
+    def merge_into_local(self, alpha: float, keep=()) -> None:
+        if keep:  # gathers the local values, then scatters the merged ones
+            super().merge_into_local(alpha, keep)
+            return
         self.owner.scatter(self.fragment, self.global_flat, alpha)
 
 

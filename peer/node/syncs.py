@@ -229,15 +229,16 @@ class SyncMixin:
         if _fault_due(fragment, round_):  # tests: vanish mid-round, as with kill -9
             os.kill(os.getpid(), signal.SIGKILL)
         outcome = await self.averager.allreduce(group, delta, float(weight), stopping=stopping)
-        # A slice whose reducer failed has no agreed mean. Keep that slice of the *global* copy
-        # where it was (a zero averaged delta): every surviving member does the same, so they
-        # still hold bit-identical global copies. (Using each member's own delta there would
-        # make them diverge, with no majority to repair from.)
+        # A slice whose reducer failed has no agreed mean. The *global* copy takes a zero averaged
+        # delta there (only the outer momentum moves it): every surviving member does the same, so
+        # they still hold bit-identical global copies. (Using each member's own delta there would
+        # make them diverge, with no majority to repair from.) The local weights keep their values
+        # there (``kept``): the inner steps' progress goes into the next sync, not lost.
         bounds = slice_bounds(delta.numel(), len(group.members), group.idle)
-        for part in outcome.fallback_parts:
-            start, end = bounds[part]
+        kept = tuple(bounds[part] for part in outcome.fallback_parts)
+        for start, end in kept:
             outcome.average[start:end] = 0.0
-        return outcome, len(group.members), bytes(group.group_id), tuple(group.members)
+        return outcome, len(group.members), bytes(group.group_id), tuple(group.members), kept
 
     def _judge(self, offences, refused=()) -> None:
         """Proven lies (banned, evidence saved; here, on the training thread, which writes it to
@@ -343,13 +344,13 @@ class SyncMixin:
         # a fragment's weight counts every token since its last sync, and each of the P fragments
         # carries those same tokens for its 1/P of the model: credit 1/P of them per fragment
         self.ledger.record_sync(int(weight) // len(worker.outer), acknowledged=outcome is not None)
-        worker.apply_outer(fragment, avg)
+        worker.apply_outer(fragment, avg, () if result is None else result[4])
         self.stats.rounds[fragment] = round_ + 1
         last_loss = self.stats.losses[-1][1] if self.stats.losses else float("nan")
         self.on_event({"event": "synced", "fragment": fragment, "round": round_, "step": worker.step,
                        "late": max(0, late),
                        "alone": outcome is None, "dropped": 0 if outcome is None else len(outcome.dropped),
-                       "fallback": 0 if outcome is None else len(outcome.fallback_parts),  # slices kept where they were
+                       "fallback": 0 if outcome is None else len(outcome.fallback_parts),  # slices with no agreed mean
                        "group_size": 1 if result is None else result[1],
                        "group": "" if result is None else result[2].hex()[:16],
                        "digest": hashlib.sha256(worker.outer[fragment].global_flat.numpy().tobytes()).hexdigest()[:16],

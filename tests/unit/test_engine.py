@@ -213,3 +213,32 @@ def test_evaluating_the_global_model_in_place_matches_a_fresh_copy_and_restores_
     with pytest.raises(RuntimeError, match="boom"), w.global_weights():  # restored on an error too
         raise RuntimeError("boom")
     assert all(torch.equal(local[n], p) for n, p in params(w).items())
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_a_slice_with_no_agreed_mean_keeps_its_local_weights_so_its_progress_goes_into_the_next_sync(alpha):
+    """Where the averaging fell back (its reducer failed: a zero averaged delta), the global copy
+    moves alike on every member, and the local weights are not reset to it there: the inner
+    steps' drift on that slice is in the fragment's next pseudo-gradient, not lost."""
+    w = Worker(make_cfg(SyncConfig(method="diloco", inner_steps=4, fragments=1, overlap=0, alpha=alpha)))
+    for x, y in batches(4, 4):
+        w.forward_backward([(x, y)])
+        w.optimizer_step()
+    delta, _ = w.begin_sync(0)
+    n = delta.numel()
+    kept = ((n // 4, n // 2), (3 * n // 4, n))
+    before = w.outer[0].local_flat()
+    avg = delta * 0.5
+    for start, end in kept:
+        avg[start:end] = 0.0
+    w.apply_outer(0, avg, kept)
+    after, glob = w.outer[0].local_flat(), w.outer[0].global_flat
+    merged = glob if alpha == 0.0 else before * alpha + glob * (1 - alpha)
+    mask = torch.zeros(n, dtype=torch.bool)
+    for start, end in kept:
+        mask[start:end] = True
+    assert torch.equal(after[mask], before[mask])  # the progress there stays
+    torch.testing.assert_close(after[~mask], merged[~mask], rtol=0, atol=1e-7)  # merged elsewhere, as without keep
+    assert not torch.equal(before[~mask], after[~mask])  # (the test means something)
+    # the next pseudo-gradient holds the whole drift there: the global copy minus the kept weights
+    assert torch.equal(w.outer[0].pseudo_gradient()[mask], (glob - before)[mask])
