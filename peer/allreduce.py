@@ -291,6 +291,7 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
                     chunk=chunk_elements(self.max_frame_bytes))
         rnd.stopping = stopping
         rnd.quiet = self.quiet.of(rnd.peer_ids, me)
+        rnd.grace_share = self.quiet.share(rnd.peer_ids, me)
         self._active[gid] = rnd
         kept_waiting = self._pending.waited(gid, [p for i, p in enumerate(rnd.peer_ids) if i != me])
         for peer_id, item, nbytes, data in self._pending.pop(gid):  # in arrival order

@@ -160,6 +160,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         for it only briefly once the others have pushed; so do the means phase for its reduced
         part and the agreement for its report, once everyone else's is in."""
         self.heard: set[int] = set()  # members a verified frame of this group came from
+        self.grace_share = 1.0  # of the grace its waits give quiet members (``QuietMembers.share``)
         self.acked: set[int] = set()  # members that acknowledged frames of ours: reachable, reading (peer.quiet)
         self.pushers: set[int] = set()  # members a verified push of this group came from (to us, or witnessed)
         self.cut: set[int] = set()  # quiet members the push phase stopped waiting for (``peer.quiet``)

@@ -61,7 +61,7 @@ class WaitMixin:
             if not (rnd.quiet and but_quiet is not None and but_quiet()):
                 cut = math.inf  # (again) waiting for a member that is not quiet, or one that spoke
             elif cut == math.inf:
-                cut = now + quiet_grace(rnd.group.deadline_s, now - start)
+                cut = now + quiet_grace(rnd.group.deadline_s, now - start, rnd.grace_share)
             remaining = min(deadline, cut) - now
             if remaining <= 0:
                 return
@@ -85,7 +85,7 @@ class WaitMixin:
         while not rnd.means_done():
             now = loop.time()
             quiet = rnd.means_done_but_quiet() if rnd.quiet else []  # only quiet reducers' parts missing
-            cut = (now + quiet_grace(rnd.group.deadline_s, now - start) if cut == math.inf else cut) if quiet \
+            cut = (now + quiet_grace(rnd.group.deadline_s, now - start, rnd.grace_share) if cut == math.inf else cut) if quiet \
                 else math.inf
             until = min(deadline, rnd.held_elsewhere_at(grace), cut)
             if now >= until:

@@ -16,6 +16,11 @@ or its own slice to us as its witness), the push phase waits for it only
 least one has); then it is dropped as late, as at the deadline. A push from it in the meantime
 restores the full wait. A report alone does not: one tiny frame per round would cost every
 round the deadline again, and a member that reported is waited for in the agreement anyway.
+The grace halves with each round in a row that we cut the member and heard nothing of it
+since (no push in the round, no late push after it), down to ``1 / 2**MAX_HALVINGS`` of it
+(``QuietMembers.share``; the most any quiet member of the group gets): a ghost cut round after
+round cost every sync the whole grace, 2 s at the demo's deadline, for good. A member that
+was only late is heard again when its push comes after the cut, and has the whole grace again.
 
 Why this cannot split honest members: only a member no push of which has come in the round is
 dropped early, and dropping it at the push phase is what the deadline does to a member that
@@ -74,6 +79,7 @@ from peer.round_agreement import LATE
 __all__ = ["QUIET_GRACE", "QuietMembers", "grace"]
 
 QUIET_GRACE = 0.1  # of deadline_s: how long the push phase waits for silent quiet members once the others pushed
+MAX_HALVINGS = 3  # the grace halves with each round in a row a member was cut from unheard, down to 1/8 of it
 CLEAR_AFTER = 3  # rounds it pushes in that clear a mark (one would let a ghost that pushes every other
 # round cost a full deadline every other round)
 MAX_QUIET = 4096  # peers remembered (the oldest marks go first)
@@ -84,10 +90,10 @@ QUIET_PUSH = "timeout:slice not received, quiet: silent in our last round with i
 QUIET_PART = "timeout:reduced part not received, quiet: silent in our last round with it too"  # in each phase
 
 
-def grace(deadline_s: float, elapsed: float) -> float:
-    """How long the push phase waits for its silent quiet members once every other member has
-    pushed, ``elapsed`` seconds into it."""
-    return max(QUIET_GRACE * deadline_s, elapsed)
+def grace(deadline_s: float, elapsed: float, share: float = 1.0) -> float:
+    """How long a phase waits for its silent quiet members once every other member is done,
+    ``elapsed`` seconds into it; ``share`` of the full grace (``QuietMembers.share``)."""
+    return max(QUIET_GRACE * share * deadline_s, elapsed)
 
 
 class QuietMembers:
@@ -96,6 +102,7 @@ class QuietMembers:
     def __init__(self, capacity: int = MAX_QUIET):
         self.capacity = capacity
         self._marks: OrderedDict[str, int] = OrderedDict()  # peer ID -> rounds heard since it was marked
+        self._streak: dict[str, int] = {}  # marked peer ID -> rounds in a row we cut it from and heard nothing of it
         self._cut: OrderedDict[bytes, set[str]] = OrderedDict()  # group ID -> quiet peers cut from it, unheard
 
     def __contains__(self, peer_id: str) -> bool:
@@ -107,6 +114,15 @@ class QuietMembers:
     def of(self, peer_ids: list[str], me: int) -> frozenset[int]:
         """The indices of a group's quiet members (``Round.quiet``)."""
         return frozenset(i for i, p in enumerate(peer_ids) if i != me and p in self._marks)
+
+    def share(self, peer_ids: list[str], me: int) -> float:
+        """The share of the full grace a round with these members waits for its quiet ones
+        (``Round.grace_share``): halved for each round in a row that each of them was cut
+        from with nothing heard of it since, ``MAX_HALVINGS`` times at most; the most that
+        any of them gets. A ghost cut round after round costs each sync less and less; a push
+        or late push of a member (``_heard``) gives it the whole grace again."""
+        streaks = [self._streak.get(p, 0) for i, p in enumerate(peer_ids) if i != me and p in self._marks]
+        return 0.5 ** min(min(streaks, default=0), MAX_HALVINGS)
 
     def judge(self, rnd: Any) -> list[int]:
         """After a round: mark each member no push came from while we waited the whole push
@@ -132,6 +148,8 @@ class QuietMembers:
                 # we finished: an honest member a grace late would otherwise be cut every round, for good)
             elif i in rnd.cut:
                 self._cut.setdefault(bytes(rnd.group.group_id), set()).add(peer_id)
+                if peer_id in self._marks:
+                    self._streak[peer_id] = self._streak.get(peer_id, 0) + 1
             elif i in rnd.waived:
                 pass  # still quiet: it pushed, and then let us down again
             elif rnd.dropped.get(i) == DEADLINE_DROP or refused or no_part or (  # we waited the whole push
@@ -142,9 +160,10 @@ class QuietMembers:
                     and (any(j != i for j in rnd.reports) or (rnd.n == 2 and i in rnd.acked))):
                 self._marks[peer_id] = 0
                 self._marks.move_to_end(peer_id)
+                self._streak.pop(peer_id, None)
                 marked.append(i)
         while len(self._marks) > self.capacity:
-            self._marks.popitem(last=False)
+            self._streak.pop(self._marks.popitem(last=False)[0], None)
         while len(self._cut) > MAX_CUT_ROUNDS:
             self._cut.popitem(last=False)
         return marked
@@ -158,6 +177,7 @@ class QuietMembers:
             self._heard(peer_id)
 
     def _heard(self, peer_id: str) -> None:
+        self._streak.pop(peer_id, None)
         if peer_id in self._marks:
             self._marks[peer_id] += 1
             if self._marks[peer_id] >= CLEAR_AFTER:

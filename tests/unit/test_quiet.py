@@ -8,7 +8,7 @@ import torch
 
 from peer.allreduce import Group
 from peer.allreduce_round import Round
-from peer.quiet import CLEAR_AFTER, DEADLINE_DROP, MEANS_DROP, QUIET_GRACE, QuietMembers, grace
+from peer.quiet import CLEAR_AFTER, DEADLINE_DROP, MAX_HALVINGS, MEANS_DROP, QUIET_GRACE, QuietMembers, grace
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 from protocol.identity import Identity
@@ -89,6 +89,28 @@ def test_marks_are_bounded_and_the_grace_grows_with_the_others_time():
         quiet.judge(finished_round(heard=(1, 2), ids=[f"a{k}", f"b{k}", f"c{k}", f"ghost{k}"]))
     assert len(quiet) == 2 and "ghost4" in quiet and "ghost0" not in quiet
     assert grace(20.0, 0.3) == QUIET_GRACE * 20.0 and grace(20.0, 7.0) == 7.0
+
+
+def test_the_grace_halves_for_each_round_in_a_row_a_member_was_cut_unheard_and_is_whole_once_it_is_heard():
+    """A ghost cut round after round cost every sync the whole grace (2 s at D = 20 s); a member
+    heard again (a push after the cut, in the round or after it) has the whole grace again."""
+    ids = [f"peer{i}" for i in range(N)]
+    quiet = QuietMembers()
+    assert quiet.share(ids, 0) == 1.0  # nobody quiet
+    quiet.judge(finished_round(heard=(1, 2)))  # marked at the deadline
+    assert quiet.share(ids, 0) == 1.0
+    for k in range(MAX_HALVINGS + 2):
+        quiet.judge(finished_round(heard=(1, 2), cut=(3,), gid=bytes([k]) * 16))
+        assert quiet.share(ids, 0) == 0.5 ** min(k + 1, MAX_HALVINGS)
+    assert quiet.share(ids, 3) == 1.0 and quiet.share(ids[:3], 0) == 1.0  # not for a group without it
+    quiet.late(bytes([0]) * 16, "peer3")  # its push of a round we cut it from came after all
+    assert quiet.share(ids, 0) == 1.0 and "peer3" in quiet
+    quiet.judge(finished_round(heard=(1, 2), cut=(3,), gid=b"x" * 16))
+    assert quiet.share(ids, 0) == 0.5
+    quiet.judge(finished_round(heard=(1,), cut=(3,), gid=b"y" * 16))  # peer2 silent at the deadline:
+    assert quiet.share(ids, 0) == 1.0  # a member quiet for one round gets the whole grace, the most of any
+    assert quiet.share([ids[0], ids[1], ids[3]], 0) == 0.25  # (in a group without it, the ghost's own)
+    assert grace(20.0, 0.1, 0.125) == QUIET_GRACE * 20.0 * 0.125 and grace(20.0, 0.3, 0.125) == 0.3
 
 
 def test_the_push_phase_stops_waiting_only_for_quiet_members_not_heard_from_once_another_pushed():
