@@ -37,7 +37,9 @@ members land one average whether or not they have seen the evidence, and at the 
 Deadlines (``D = group.deadline_s``, from the moment ``allreduce`` is called): pushes for our
 slice must be in by ``D``; members missing then are dropped and the reducer averages the rest,
 re-weighted over the members it actually received from (``SliceAveraged.contributors``,
-``weight`` = their summed weight). Reduced parts must be in by ``1.5 * D``. Every send and
+``weight`` = their summed weight), and sends its mean to them; also to a member it dropped as
+late once that member's push comes after all (it is in the round, and would otherwise wait
+for the part until its own means' deadline). Reduced parts must be in by ``1.5 * D``. Every send and
 read is bounded by the deadlines, so no round can hang on a stalled or killed member.
 
 Agreement (``peer.allreduce_round``). Then every member tells the others which parts it holds
@@ -337,11 +339,10 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
                 encoded = self._encode(rnd, me, mean)
                 frames = self._frames(rnd, me, encoded, total, contrib, inputs, rnd.own_digests())
                 rnd.reduced(contrib, encoded, frames)
-                # a banned member on time is alive: it needs our part too (one dropped as late
-                # gets it as any late member does, forwarded on its report)
-                for i in sorted(set(contrib) | (rnd.excluded - rnd.dropped.keys())):
-                    if i != me:
-                        tasks.append(asyncio.create_task(self._deliver(rnd, i, frames, end_deadline, sent, False)))
+                rnd.end_deadline = end_deadline
+                # a banned member on time is alive: it needs our part too; so does one dropped as late
+                # whose push came after all (later ones get it when theirs comes: _send_mean_late)
+                self._send_mean(rnd, set(contrib) | (rnd.excluded - rnd.dropped.keys()) | rnd.late_to_us())
 
             await self._wait_means(rnd, end_deadline)
             phases.append(loop.time() - t0)

@@ -85,6 +85,8 @@ class InboundMixin:
             rnd.accept(peer_id, v, nbytes, data)
             if isinstance(v.message, PartsHeld) and rnd.agreeing:
                 self._forward(rnd, rnd.tasks)
+            elif isinstance(v.message, PushSlice):
+                self._send_mean_late(rnd, peer_id)
         elif gid in self._recent and isinstance(v.message, PartsHeld):
             rnd = self._recent[gid]
             rnd.accept(peer_id, v, nbytes, data)  # a member late to the agreement: it may lack a part

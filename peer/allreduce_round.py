@@ -160,6 +160,8 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         for it only briefly once the others have pushed; so do the means phase for its reduced
         part and the agreement for its report, once everyone else's is in."""
         self.heard: set[int] = set()  # members a verified frame of this group came from
+        self.mean_to: set[int] = set()  # members we sent our reduced part to
+        self.end_deadline = math.inf  # the means' deadline (set when we reduced our part)
         self.grace_share = 1.0  # of the grace its waits give quiet members (``QuietMembers.share``)
         self.acked: set[int] = set()  # members that acknowledged frames of ours: reachable, reading (peer.quiet)
         self.pushers: set[int] = set()  # members a verified push of this group came from (to us, or witnessed)
@@ -294,6 +296,12 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         return tuple(part_digest(self.contributors[j], self.mean_chunks[j], self.mean_own.get(j, {}))
                      if self.holds(j) else b""
                      for j in range(self.n))
+
+    def late_to_us(self) -> set[int]:
+        """Members we dropped as late whose push of this round came after all (to us, or to us
+        as its witness, and passing the checks): in the round, and with no reduced part of ours
+        coming, as they are no contributors (``Averager.allreduce`` sends it them)."""
+        return {i for i in self.pushers if self.dropped.get(i, "").startswith(LATE)}
 
     def drop(self, i: int, reason: str) -> None:
         if i == self.me or i in self.dropped:

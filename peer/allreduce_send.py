@@ -40,13 +40,13 @@ class SendMixin:
         for i, j in rnd.forward_wanted():
             rnd.forwarded.add((i, j))
             log.info("forwarding reduced part part=%d to=%s group=%s", j, rnd.peer_ids[i], rnd.group.group_id.hex())
-            sends.append((i, rnd.frames[j]))
+            sends.append((i, j, rnd.frames[j]))
         for i, j in rnd.proof_wanted():
             rnd.proved.add((i, j))
             log.info("forwarding proof of equivocation part=%d to=%s group=%s", j, rnd.peer_ids[i],
                      rnd.group.group_id.hex())
-            sends.append((i, [[frame] for frame in rnd.convicted[j]]))
-        for i, frames in sends:
+            sends.append((i, j, [[frame] for frame in rnd.convicted[j]]))
+        for i, j, frames in sends:
             task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))
             if isinstance(tasks, set):  # a finished round's: its outcome is out
                 tasks.add(task)
@@ -54,6 +54,22 @@ class SendMixin:
             else:
                 tasks.append(task)
                 rnd.forwards.append((i, j, task))  # undelivered by the round's end: not agreed (Round.forwards)
+
+    def _send_mean(self, rnd: Round, members: set[int]) -> None:
+        """Send ``members`` our reduced part (once each), by the means' deadline."""
+        for i in sorted(members - rnd.mean_to - {rnd.me}):
+            rnd.mean_to.add(i)
+            rnd.tasks.append(asyncio.create_task(
+                self._deliver(rnd, i, rnd.frames[rnd.me], rnd.end_deadline, rnd.sent, False)))
+
+    def _send_mean_late(self, rnd: Round, peer_id: str) -> None:
+        """After a frame from ``peer_id``: if it is a member we dropped as late whose push came
+        after all (``Round.late_to_us``) and we reduced our part already, send it our part now.
+        It is in the round and waits for the part, which it would otherwise get only after its
+        means' deadline (in a pair: 1.5 D), forwarded on its report."""
+        i = rnd.index.get(peer_id)
+        if i is not None and rnd.me in rnd.frames and rnd.collecting_means and i in rnd.late_to_us():
+            self._send_mean(rnd, {i})
 
     def _tell_landed(self, rnd: Round, members: list[int], again: bool = False) -> None:
         """Send ``members`` our final report: the parts we landed (``Round.landed``), each once

@@ -141,3 +141,25 @@ def test_a_pair_with_a_silent_partner_waits_its_deadlines_once_and_then_only_bri
         else:
             assert elapsed < deadline, (elapsed, lines[-20:])
             assert any(QUIET in ln for ln in lines if f"peer={partner}" in ln), lines[-20:]
+
+
+def test_a_member_late_past_the_push_deadline_gets_the_others_parts_when_its_push_comes(swarm):  # noqa: F811
+    """Member 1 of a pair starts its round 1.25 D after member 0 (busy, or starved): 0 has
+    dropped it as late, so 1 is no contributor to 0's part and 0 did not send 1 that part.
+    1 used to wait for it until its own means' deadline (1.5 D), then get it forwarded on its
+    report. Its push reaching 0 shows it is in the round: 0 sends it its part then, and 1 is
+    done at once. Both land the same average (0's part without 1's slice)."""
+    peers = swarm(2)
+    weights, deadline = [1.0, 2.0], 4.0
+    seeds = {0: 960, 1: 961}
+    vectors = [make_vector(seeds[i]) for i in range(2)]
+    fields = group_fields(peers, weights, "fp32", group_id=b"late-pusher".ljust(16, b"\0"), deadline_s=deadline)
+    replies = _round(peers, [0, 1], fields, seeds, {1: f"start:{1.25 * deadline}"})
+    (kind0, avg0, dropped0, fallback0, _, _, lines0, _), (kind1, avg1, dropped1, fallback1, _, elapsed1, lines1, _) = \
+        replies[0], replies[1]
+    assert kind0 == kind1 == "done" and dropped0 == (1,) and dropped1 == () and fallback0 == fallback1 == (), \
+        (lines0[-20:], lines1[-20:])
+    assert avg0 == avg1, (lines0[-20:], lines1[-20:])
+    bounds = slice_bounds(NUMEL, 2)
+    assert torch.equal(as_tensor(avg0)[slice(*bounds[0])], vectors[0][slice(*bounds[0])])  # 0's part: its slice alone
+    assert elapsed1 < 0.5 * deadline, (elapsed1, lines1[-20:])  # not its means' deadline (1.5 D)
