@@ -194,9 +194,11 @@ class Worker:
 
     def apply_outer(self, fragment: int, avg_delta: torch.Tensor, keep: Sequence[tuple[int, int]] = ()) -> None:
         """Outer step on the fragment's global copy, then merge it into the local weights, except
-        in the element ranges ``keep``, where the averaging fell back (``OuterFragment.merge_into_local``)."""
-        self.outer[fragment].step(avg_delta)
-        self.outer[fragment].merge_into_local(self.cfg.sync.alpha, keep)
+        in the element ranges ``keep`` where the averaging fell back, as ``OuterFragment.carry``
+        allows (not two syncs in a row)."""
+        frag = self.outer[fragment]
+        frag.step(avg_delta)
+        frag.merge_into_local(self.cfg.sync.alpha, frag.carry(keep))
 
     @contextlib.contextmanager
     def global_weights(self):

@@ -101,7 +101,7 @@ class ShardedFragment(OuterFragment):
 
     def merge_into_local(self, alpha: float, keep=()) -> None:
         if keep:  # gathers the local values, then scatters the merged ones
-            super().merge_into_local(alpha, keep)
+            self._merge_keeping(alpha, keep)
             return
         self.owner.scatter(self.fragment, self.global_flat, alpha)
 

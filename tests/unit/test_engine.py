@@ -242,3 +242,17 @@ def test_a_slice_with_no_agreed_mean_keeps_its_local_weights_so_its_progress_goe
     assert not torch.equal(before[~mask], after[~mask])  # (the test means something)
     # the next pseudo-gradient holds the whole drift there: the global copy minus the kept weights
     assert torch.equal(w.outer[0].pseudo_gradient()[mask], (glob - before)[mask])
+    # ranges falling back again in the next sync (a liar reducing them every time) are reset,
+    # not carried a second round: the local weights there would drift without bound
+    delta, _ = w.begin_sync(0)
+    avg = torch.zeros_like(delta)
+    before = w.outer[0].local_flat()
+    w.apply_outer(0, avg, ((n // 4, n // 2 + 8),))  # overlapping the last sync's first range, and 8 more
+    after, glob = w.outer[0].local_flat(), w.outer[0].global_flat
+    merged = glob if alpha == 0.0 else before * alpha + glob * (1 - alpha)
+    torch.testing.assert_close(after[n // 4: n // 2], merged[n // 4: n // 2], rtol=0, atol=1e-7)  # carried last
+    # time: merged now, as where nothing fell back
+    assert torch.equal(after[n // 2: n // 2 + 8], before[n // 2: n // 2 + 8])  # kept: it did not fall back then
+    assert w.outer[0].carry(((0, n),)) == ((0, n // 4), (n // 2 + 8, n))  # (the rule itself: not where the
+    assert w.outer[0].carry(((0, n),)) == ()  # last sync fell back, kept or not)
+    assert w.outer[0].carry(()) == () and w.outer[0].carry(((0, 8),)) == ((0, 8),)
