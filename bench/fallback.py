@@ -5,7 +5,9 @@ there) when its reducer fails: it crashed, its mean was refused, or it is a key 
 a group and then reduces nothing (``lie:ghost``, ``lie:hush``; a leader never idles itself).
 The node used to reset its local weights there to the global copy, as everywhere else, so
 the inner steps' progress on that part was lost; it now keeps them, and the progress goes
-into the fragment's next pseudo-gradient (``OuterFragment.merge_into_local(keep=...)``).
+into the fragment's next pseudo-gradient (``OuterFragment.carry``: a lone fallback; where the
+last sync fell back too they are reset as before, so a part that falls back every round
+cannot drift without bound). The parts falling back here rotate, so each is a lone one.
 
 This runs the in-process simulation (``peer.simulation``, the real engine and all-reduce) on
 the same data and init three ways per seed: no fallback, a part falling back every

@@ -64,8 +64,9 @@ Fallback. A part that nobody reported holding by then (its reducer died, or fail
 member) holds *this member's own value* in the returned average, and is listed in
 ``AllReduceOutcome.fallback_parts``. ``peer.node``, whose vectors are pseudo-gradients,
 replaces those parts with zeros (only the outer momentum moves that slice of the global copy),
-which is the same on every surviving member, and keeps its local weights there: the inner
-steps' progress on them goes into its next pseudo-gradient (``OuterFragment.merge_into_local``).
+which is the same on every surviving member, and keeps its local weights there unless its last
+sync fell back there too: the inner steps' progress on them goes into its next pseudo-gradient
+(``OuterFragment.carry``).
 
 Memory bounds (``peer.inbox``). Frames may arrive before the local member has called
 ``allreduce`` for their group (it learned of the group a little later than the sender). They

@@ -46,7 +46,8 @@ class SimulationConfig:
     fallback_every: int = 0
     """If not 0, every this many syncs one part of the fragment (reducer ``j``, a different one
     each time) gets no agreed mean, as in the swarm when its reducer fails or a ghost leads the
-    group: every worker takes a zero delta there and keeps its local weights there."""
+    group: every worker takes a zero delta there and keeps its local weights there, as the node
+    does (``OuterFragment.carry``: not where the fragment's last sync fell back too)."""
     fallback_resets_local: bool = False
     """With ``fallback_every``: reset the local weights there to the global copy instead, as the
     node did before (the inner steps' progress on that part is lost): ``bench/fallback.py``."""

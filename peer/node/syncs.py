@@ -233,7 +233,8 @@ class SyncMixin:
         # delta there (only the outer momentum moves it): every surviving member does the same, so
         # they still hold bit-identical global copies. (Using each member's own delta there would
         # make them diverge, with no majority to repair from.) The local weights keep their values
-        # there (``kept``): the inner steps' progress goes into the next sync, not lost.
+        # there (``kept``; not where the last sync fell back too, ``OuterFragment.carry``): the inner
+        # steps' progress goes into the next sync, not lost.
         bounds = slice_bounds(delta.numel(), len(group.members), group.idle)
         kept = tuple(bounds[part] for part in outcome.fallback_parts)
         for start, end in kept:
