@@ -112,6 +112,7 @@ def honest_run(tmp_path_factory):
     return setup, sum(baseline.summaries[i]["heldout_loss"] for i in HONEST) / 3
 
 
+@pytest.mark.xdist_group("liar_baseline")  # one worker runs the shared baseline, once
 @pytest.mark.parametrize("lies", sorted(COMBINATIONS))
 def test_a_node_lying_several_ways_at_once_leaves_the_honest_ones_agreeing_finite_and_within_5pct(
         tmp_path, demos, honest_run, lies):

@@ -16,7 +16,7 @@ from peer.statesync import FetchStats, StateSyncError, fetch_state
 from protocol.messages import MAX_HEAD_BYTES
 from protocol.messages_swarm import RequestStateIndex, StateIndex
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.xdist_group("statesync_donors")]  # one set of donors, on one worker
 CTX = mp.get_context("spawn")
 RUN = statesync_peers.RUN_ID
 
