@@ -18,11 +18,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import settings
 
 # No per-example deadline: CI runs beside other work, and a slow example is not a failing one
 settings.register_profile("swarmstream", deadline=None)
 settings.load_profile("swarmstream")
+
+# One torch thread in the test processes: the two workers share the cores with the swarm tests'
+# nodes, and OpenMP's threads spinning beside other work slowed a torch run many times over
+# (tests/bench/test_quality_smoke.py). The nodes the tests start choose their own (peer.demo).
+torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent
 _here = {str(ROOT), "", "."}

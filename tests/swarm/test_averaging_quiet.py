@@ -15,7 +15,7 @@ from protocol.codecs import get_codec
 from test_averaging import CLIP, NUMEL, _peer_id, as_tensor, group_fields, make_vector, partial_reference
 from test_averaging import swarm  # noqa: F401  (the fixture)
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.xdist_group("cpu_timing")]  # timed: never beside test_load
 QUIET = "quiet: silent in our last round with it too"
 
 

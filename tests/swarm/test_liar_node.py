@@ -113,6 +113,7 @@ def honest_run(tmp_path_factory):
 
 
 @pytest.mark.xdist_group("liar_baseline")  # one worker runs the shared baseline, once
+@pytest.mark.timeout(600)  # the first also builds the baseline (a run of its own) in its setup
 @pytest.mark.parametrize("lies", sorted(COMBINATIONS))
 def test_a_node_lying_several_ways_at_once_leaves_the_honest_ones_agreeing_finite_and_within_5pct(
         tmp_path, demos, honest_run, lies):

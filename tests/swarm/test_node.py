@@ -208,6 +208,7 @@ def test_a_late_joiner_downloads_the_state_and_then_matches_the_others_bit_for_b
     assert "no two vouch for one state" in logs or "not believing" in logs
 
 
+@pytest.mark.xdist_group("cpu_timing")  # timed: never beside test_load's busy loops
 def test_ctrl_c_stops_a_node_within_seconds_with_its_work_saved_and_no_daemon_left(tmp_path, demos):
     events = Events()
     demo = Demo(2, rounds=None, workdir=tmp_path, on_event=events)
