@@ -160,8 +160,9 @@ def host_peer(host: Running) -> str:
     return next(m.group(1) for line in host.lines if (m := re.search(r"/p2p/(\w+)'", line)))
 
 
-def test_host_join_status_pause_resume_stop_with_two_identities(tmp_path, running):
-    host_home, joiner_home = tmp_path / "host", tmp_path / "joiner"
+def test_host_join_status_pause_resume_stop_with_two_identities(short_tmp, running):
+    # short: the control sockets under each home (xdist's popen-gwN/ lengthens tmp_path)
+    host_home, joiner_home = short_tmp / "host", short_tmp / "joiner"
     host_home.mkdir()
     joiner_home.mkdir()
     new = swarmstream(host_home, "run", "new", "--name", "two machines", *FAST, "--out", "run.swarmrun")
@@ -238,8 +239,8 @@ def test_a_join_that_cannot_work_says_why_in_one_line(tmp_path):
     assert "junk.swarmrun" in one_line_error(out)
 
 
-def test_a_second_ctrl_c_stops_the_node_at_once_in_one_line(tmp_path, running):
-    home = tmp_path / "v"
+def test_a_second_ctrl_c_stops_the_node_at_once_in_one_line(short_tmp, running):
+    home = short_tmp / "v"
     home.mkdir()
     assert swarmstream(home, "run", "new", "--name", "ctrl-c", *FAST, "--out", "r.swarmrun").returncode == 0
     host = running(home, "host", "r.swarmrun", "--headless", *LISTEN)
