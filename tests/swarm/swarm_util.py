@@ -8,6 +8,12 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
+# Tests that assert how long something took, and test_load (whose busy loops would starve
+# them): one xdist group, so they never run side by side on the two workers.
+TIMED = pytest.mark.xdist_group("cpu_timing")
+
 
 class Events:
     """Every JSON line the demo's peers print, as (peer index, event) on a queue."""

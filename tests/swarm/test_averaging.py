@@ -26,7 +26,7 @@ from peer.identity_store import load_or_create_identity
 from protocol.codecs import get_codec
 from protocol.envelope import seal
 from protocol.messages_swarm import PushSlice
-from swarm_util import kill_process_group
+from swarm_util import TIMED, kill_process_group
 
 pytestmark = pytest.mark.swarm
 CTX = mp.get_context("spawn")
@@ -339,7 +339,7 @@ def as_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.float32)
 
 
-@pytest.mark.xdist_group("cpu_timing")  # timed: never beside test_load's busy loops
+@TIMED
 def test_four_peers_get_the_bit_identical_weighted_mean_in_fp32_and_fp4(swarm):
     # 8 KiB frames: every slice of ~2500 elements goes as three messages per direction
     peers = swarm(4, max_frame_bytes=8192)
@@ -362,7 +362,7 @@ def test_four_peers_get_the_bit_identical_weighted_mean_in_fp32_and_fp4(swarm):
             assert elapsed < 8.0
 
 
-@pytest.mark.xdist_group("cpu_timing")  # timed: never beside test_load's busy loops
+@TIMED
 def test_a_killed_member_and_a_stalled_one_are_dropped_and_the_others_finish(swarm):
     peers = swarm(5)
     weights = [1.0, 1.0, 2.0, 2.0, 3.0]
@@ -466,7 +466,7 @@ def test_a_banned_members_pushes_are_left_out_by_the_reducer_that_banned_it_and_
     assert peers[2].reply() == ("convicted", [])  # nobody hands the liar its own proof
 
 
-@pytest.mark.xdist_group("cpu_timing")  # timed: never beside test_load's busy loops
+@TIMED
 def test_asymmetric_drops_are_repaired_within_the_round_so_every_member_lands_the_same_average(swarm):
     """Member 1 withholds its reduced part from member 3; member 2 pushes its slice to
     reducer 0 after the deadline, so 0 averages without it. Before the agreement, 3 lacked
@@ -552,7 +552,7 @@ def test_a_member_that_starts_after_the_others_landed_lands_what_they_landed(swa
     assert late[7]["agreed"] and not early[0][7]["agreed"], late[6]
 
 
-@pytest.mark.xdist_group("cpu_timing")  # timed: never beside test_load's busy loops
+@TIMED
 def test_a_stream_lost_in_transit_is_sent_again_and_the_round_completes_long_before_its_deadline(swarm):
     """Member 2 loses the first stream every other member opens to it (pushes for its part, or
     its reduced parts), as the bundled libp2p daemon does now and then with a stream written and
@@ -574,7 +574,7 @@ def test_a_stream_lost_in_transit_is_sent_again_and_the_round_completes_long_bef
     assert len(resent) >= 3, resent  # each of the three others had a stream to 2 lost
 
 
-@pytest.mark.xdist_group("cpu_timing")  # timed: never beside test_load's busy loops
+@TIMED
 def test_a_reducer_that_sends_one_member_another_mean_is_proven_to_and_falls_back_on_every_member(swarm):
     """Member 0 sends member 2 its reduced part x1000 (validly signed) and the others the true
     one. The members' reports show two digests of part 0; 2 and the others forward each other

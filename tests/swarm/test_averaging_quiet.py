@@ -14,8 +14,9 @@ from protocol.butterfly import slice_bounds
 from protocol.codecs import get_codec
 from test_averaging import CLIP, NUMEL, _peer_id, as_tensor, group_fields, make_vector, partial_reference
 from test_averaging import swarm  # noqa: F401  (the fixture)
+from swarm_util import TIMED
 
-pytestmark = [pytest.mark.swarm, pytest.mark.xdist_group("cpu_timing")]  # timed: never beside test_load
+pytestmark = [pytest.mark.swarm, TIMED]
 QUIET = "quiet: silent in our last round with it too"
 
 

@@ -8,11 +8,10 @@ import sys
 import pytest
 
 from peer.demo import Demo, demo_manifest
-from swarm_util import Events, shared_landings
+from swarm_util import TIMED, Events, shared_landings
 
-pytestmark = [pytest.mark.swarm, pytest.mark.slow,
-              # its busy loops would starve a timed test on the other worker: they share one
-              pytest.mark.xdist_group("cpu_timing")]
+# its busy loops would starve a timed test on the other worker: they share one group
+pytestmark = [pytest.mark.swarm, pytest.mark.slow, TIMED]
 
 D = 5.0  # the run's all-reduce deadline: reduced parts are due 1.5 D after a round starts, reports by 2.5 D
 STALL_UNTIL = 1.6  # x D: past the reduced parts' deadline, with 0.9 D (4.5 s) left for the agreement

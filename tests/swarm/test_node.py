@@ -11,7 +11,7 @@ import torch
 
 from peer.demo import Demo
 import swarm_peers
-from swarm_util import Events, last_landings_shared, start_process
+from swarm_util import TIMED, Events, last_landings_shared, start_process
 from peer.identity_store import load_or_create_identity
 from peer.network import Network, NetworkConfig
 from peer.presence import Presence
@@ -208,7 +208,7 @@ def test_a_late_joiner_downloads_the_state_and_then_matches_the_others_bit_for_b
     assert "no two vouch for one state" in logs or "not believing" in logs
 
 
-@pytest.mark.xdist_group("cpu_timing")  # timed: never beside test_load's busy loops
+@TIMED
 def test_ctrl_c_stops_a_node_within_seconds_with_its_work_saved_and_no_daemon_left(tmp_path, demos):
     events = Events()
     demo = Demo(2, rounds=None, workdir=tmp_path, on_event=events)
