@@ -154,6 +154,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         self.mean_own: dict[int, dict[int, bytes]] = {}  # part -> offset -> its mean chunk's ``own``
         self.vouches: dict[int, dict[int, tuple[float, float]]] = {}  # part -> witness -> (norm, dot) it vouched
         self.pushed = [0] * self.n
+        self.late_chunks: dict[int, set[tuple[int, int]]] = {}  # member -> its late push's chunks that passed
         self.quiet: frozenset[int] = frozenset()
         """Members that did not do their part in our last round with them (``peer.quiet``): no
         push, or no report. While no push of one has come in this round, the push phase waits

@@ -52,10 +52,11 @@ one bad frame in, so the groups we lead give it none.
 
 Clearing. A round in which it pushes *and* reports (and sends nothing that fails a check)
 counts towards clearing the mark (``CLEAR_AFTER`` of them); so does a push of a round it was
-cut from that reaches us after the cut, in the round or after we finished it, and passes the
-checks (``Round.valid_late_push``: it was late, not gone; an honest member that fell behind
-would otherwise be cut from every round and never catch the group's pace again, and a bogus
-late frame cleared a ghost's mark). Only the last few finished rounds (``_RECENT_ROUNDS``)
+cut from that reaches us after the cut, in the round or after we finished it, covers its whole
+slice and passes the checks (``Round.valid_late_push``: it was late, not gone; an honest member
+that fell behind would otherwise be cut from every round and never catch the group's pace
+again; a bogus late frame cleared a ghost's mark, and one valid chunk of many would clear it
+for a few bytes). Only the last few finished rounds (``_RECENT_ROUNDS``)
 can check such a push: one that comes later clears nothing. A
 key that pushes in some rounds and is silent in the others costs a full deadline once every
 ``CLEAR_AFTER + 1`` rounds, and pushes (honest data, screened as anyone's) in the rest.

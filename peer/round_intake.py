@@ -236,7 +236,7 @@ class IntakeMixin:
             raise RemoteProtocolError(f"part {msg.part} sent to the reducer of part {self.me}")
         if not self.collecting_pushes:
             log.info("late slice ignored peer=%s group=%s", self.peer_ids[i], self.group.group_id.hex())
-            self._check_late_push(i, msg)  # it counts as a sign of life (peer.quiet) only if it would have passed
+            self._check_late_push(i, msg, self.pushed[i])  # it counts as a sign of life (peer.quiet) only if it would have passed
             return
         self._check_slice(msg, self.me, self.pushed[i])
         if msg.weight != self.group.weights[i]:
@@ -254,22 +254,30 @@ class IntakeMixin:
 
     def valid_late_push(self, i: int | None, msg: PushSlice) -> bool:
         """Whether a push of member ``i`` that came after we stopped collecting (also after the
-        round finished) would have passed the checks, its amount aside: only such a push shows
-        the member was late, not gone (``peer.quiet``). A bogus one clears nothing."""
+        round finished) completes its slice to us, every chunk of it (on time or late) having
+        passed the checks: only a whole slice shows the member was late, not gone
+        (``peer.quiet``), and earns it our reduced part (``Round.late_to_us``). A bogus chunk
+        clears nothing, nor does one valid chunk of many (a ghost's cheap sign of life)."""
         if i is None or i == self.me:
             return False
+        chunks = self.late_chunks.setdefault(i, set())
+        if (msg.offset, msg.numel) in chunks:
+            return False  # sent again: its acknowledgement did not come in time (peer.outbox)
         try:
-            self._check_late_push(i, msg)
+            self._check_late_push(i, msg, self.pushed[i] + sum(n for _, n in chunks))
+            _check_disjoint([(off, cnt) for off, cnt, _ in self.pushes.get(i, [])] + sorted(chunks),
+                            msg.offset, msg.numel)
         except RemoteProtocolError as e:
             log.info("late slice fails a check peer=%s reason=%s group=%s", self.peer_ids[i], e,
                      self.group.group_id.hex())
             return False
-        return True
+        chunks.add((msg.offset, msg.numel))
+        return self.pushed[i] + sum(n for _, n in chunks) == self.size(self.me)
 
-    def _check_late_push(self, i: int, msg: PushSlice) -> None:
+    def _check_late_push(self, i: int, msg: PushSlice, covered: int) -> None:
         if msg.part != self.me:
             raise RemoteProtocolError(f"part {msg.part} sent to the reducer of part {self.me}")
-        self._check_slice(msg, self.me, 0)
+        self._check_slice(msg, self.me, covered)
         if msg.weight != self.group.weights[i]:
             raise RemoteProtocolError(f"weight {msg.weight} is not the group's {self.group.weights[i]}")
         self.codec.decode(msg.payload, msg.numel)  # layout, scales and finiteness; raises

@@ -225,19 +225,20 @@ def test_a_reducer_whose_part_never_came_while_another_did_is_marked_and_a_round
     assert QuietMembers().judge(alone) == []
 
 
-def _late_round():
-    """A real round of four (we are member 0) past its push deadline, member 3 dropped there."""
+def _late_round(chunk=None):
+    """A real round of four (we are member 0) past its push deadline, member 3 dropped there;
+    slices sent in chunks of ``chunk`` elements (default: one chunk each)."""
     keys = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(N)]
     group = Group(run_id=b"r" * 20, fragment=0, round=1, group_id=GID, members=tuple(k.public_key for k in keys),
                   weights=(1.0,) * N, numel=1024, codec="fp32", deadline_s=10.0)
-    rnd = Round(group, 0, torch.zeros(1024), get_codec("fp32"))
+    rnd = Round(group, 0, torch.zeros(1024), get_codec("fp32"), **({} if chunk is None else {"chunk": chunk}))
     rnd.collecting_pushes = False
     rnd.drop(3, DEADLINE_DROP)
     return rnd, keys
 
 
-def _late_push(rnd, keys, sender, *, part=0, weight=1.0, values=None, codec="fp32"):
-    s, e = rnd.bounds[part]
+def _late_push(rnd, keys, sender, *, part=0, weight=1.0, values=None, codec="fp32", span=None):
+    s, e = rnd.bounds[part] if span is None else span
     values = torch.ones(e - s) if values is None else values
     payload = values.numpy().tobytes() if codec == "fp32" else get_codec(codec).encode(values)  # NaN too (a liar's)
     g = rnd.group
@@ -260,16 +261,45 @@ def test_only_a_late_push_that_would_have_passed_the_checks_shows_a_member_was_l
         rnd.accept(keys[3].peer_id, v, len(frame), frame)
         assert 3 not in rnd.pushers, bad
     v, frame = _late_push(rnd, keys, 3)
-    assert rnd.valid_late_push(3, v.message) and not rnd.valid_late_push(None, v.message)
     rnd.accept(keys[3].peer_id, v, len(frame), frame)
     assert 3 in rnd.pushers and rnd.dropped[3] == DEADLINE_DROP  # late, still dropped: not averaged
-    rnd.retire()  # finished: a late push is checked alike (peer.allreduce_inbound, QuietMembers.late)
-    assert rnd.valid_late_push(3, v.message) and not rnd.valid_late_push(3, _late_push(rnd, keys, 3, weight=2.0)[0].message)
+    assert 3 in rnd.late_to_us()  # and sent our reduced part (Averager._send_mean_late)
+    assert not rnd.valid_late_push(None, v.message)
+
+    rnd, keys = _late_round()  # finished: a late push is checked alike (peer.allreduce_inbound, QuietMembers.late)
+    rnd.retire()
+    assert not rnd.valid_late_push(3, _late_push(rnd, keys, 3, weight=2.0)[0].message)
+    assert rnd.valid_late_push(3, _late_push(rnd, keys, 3)[0].message)
 
     rnd, keys = _late_round()  # a member not dropped whose push comes after we stopped collecting
     v, frame = _late_push(rnd, keys, 2, values=torch.full((e - s,), float("inf")))
     rnd.accept(keys[2].peer_id, v, len(frame), frame)
     assert 2 not in rnd.pushers and rnd.dropped[2].startswith("PushSlice:")  # refused, as on time
+
+
+def test_a_late_push_shows_life_only_once_it_covers_the_whole_slice():
+    """One valid chunk of many is no sign of life: a ghost sending one chunk late every round
+    would clear its mark for a few bytes, and get our whole reduced part for it. The chunks
+    of a late push count once each (a resend is no more), none may overlap another, and the
+    member counts as late, not gone, when they cover its slice."""
+    rnd, keys = _late_round(chunk=64)
+    s, e = rnd.bounds[0]  # 256 elements: four chunks
+    spans = [(a, min(a + 64, e)) for a in range(s, e, 64)]
+    assert len(spans) == 4
+    for k, span in enumerate(spans):
+        v, frame = _late_push(rnd, keys, 3, span=span)
+        rnd.accept(keys[3].peer_id, v, len(frame), frame)
+        if k < 3:
+            assert 3 not in rnd.pushers and not rnd.late_to_us()
+            rnd.accept(keys[3].peer_id, v, len(frame), frame)  # the same chunk again: no more than once
+            assert 3 not in rnd.pushers
+    assert 3 in rnd.pushers and rnd.late_to_us() == {3}
+
+    rnd, keys = _late_round(chunk=64)  # after the round, alike
+    rnd.retire()
+    assert not any(rnd.valid_late_push(3, _late_push(rnd, keys, 3, span=span)[0].message) for span in spans[:3])
+    assert not rnd.valid_late_push(3, _late_push(rnd, keys, 3, span=(s + 32, s + 96))[0].message)  # off the grid
+    assert rnd.valid_late_push(3, _late_push(rnd, keys, 3, span=spans[3])[0].message)
 
 
 def test_when_every_other_member_is_quiet_no_other_push_part_or_report_is_needed_to_stop_waiting():
