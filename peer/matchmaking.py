@@ -106,7 +106,7 @@ from hivemind.utils import get_dht_time
 from peer.allreduce import Group
 from peer.batches import assign_groups, batch_of, busiest_batch, group_id_of, groups_key, joins_key, rank, round_seed
 from peer.distrust import Distrust
-from protocol.butterfly import leader_idle, max_idle
+from protocol.butterfly import max_idle
 from protocol.envelope import seal, verify
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.identity import Identity, peer_id_from_public_key
@@ -271,15 +271,12 @@ class Matchmaker:
         return False
 
     def _idle(self, members: tuple[bytes, ...]) -> tuple[int, ...]:
-        """The members of the group we lead that reduce nothing (``GroupFormed.idle``): we, in a
-        group of three or more (``leader_idle``), and those that let us down in our last round
-        with them (``quiet``), up to ``max_idle``. A ghost's slice would fall back every round:
-        its part's update lost on every member."""
-        n = len(members)
-        lead = (0,) if leader_idle(n) else ()
-        quiet = () if self.quiet is None else tuple(
-            i for i, k in enumerate(members) if i and self.quiet(peer_id_from_public_key(k)))
-        return (lead + quiet)[:max_idle(n)]
+        """The members of the group we lead that reduce nothing (``GroupFormed.idle``): those
+        that let us down in our last round with them (``quiet``), up to ``max_idle``. A
+        ghost's slice would fall back every round: its part's update lost on every member."""
+        if self.quiet is None:
+            return ()
+        return tuple(i for i, k in enumerate(members) if i and self.quiet(peer_id_from_public_key(k)))[:max_idle(len(members))]
 
     def _group(self, f: GroupFormed) -> Group:
         self._alone.clear()  # we are in step with a group again: old offsets no longer apply
@@ -396,8 +393,8 @@ class Matchmaker:
             if taken is not None and rank(seed, taken.members[0]) < rank(seed, me):
                 return self._group(taken)  # a leader ranked before us already named us: follow it
             idle = self._idle(mine)
-            if quiet := [i for i in idle if i]:
-                log.info("quiet members reduce nothing fragment=%d round=%d idle=%s", fragment, round, quiet)
+            if idle:
+                log.info("quiet members reduce nothing fragment=%d round=%d idle=%s", fragment, round, list(idle))
             formed = GroupFormed(run_id=self.run_id, fragment=fragment, round=round,
                                  group_id=group_id_of(seed, mine, idle), members=mine,
                                  weights=tuple(joins[k].weight for k in mine), numel=numel, codec=codec,

@@ -2,8 +2,7 @@
 
 In a group of n members, a flat vector of N elements is cut into n contiguous slices (the
 first ``N % n`` slices one element longer; members the group record lists as ``idle`` get an
-empty slice, and the others cut N as that many would; in a group of three or more its leader is
-always idle, ``leader_idle``). Member j reduces slice j: every other member
+empty slice, and the others cut N as that many would). Member j reduces slice j: every other member
 sends it its encoded slice j, member j accumulates them in fp32 with its own slice, encoded
 and decoded alike (so its witnesses can vouch for it: ``witnesses_of``), encodes the weighted mean
 once, and sends that back to the n-1 others. Every member, reducer included, then uses the
@@ -71,23 +70,12 @@ def slice_bounds(numel: int, n: int, idle: Sequence[int] = ()) -> list[tuple[int
     return out
 
 
-def leader_idle(n: int) -> bool:
-    """Whether the leader of a group of ``n`` (member 0, who writes its ``GroupFormed`` and so
-    decides its cut) reduces nothing itself: in a group of three or more, always, so the idle
-    set of every such record lists it (``GroupFormed.check``). A leader that gave itself a part
-    could sit on it: a key that joins every group and sends nothing (a ghost) is idled by the
-    honest leaders that hold it quiet, and its part fell back on every member in the groups it
-    led (about one in n). In a group of two someone else would reduce everything."""
-    return n >= 3
-
-
 def max_idle(n: int) -> int:
-    """How many members of a group of ``n`` reduce no slice at most (``GroupFormed.idle``): the
-    leader (``leader_idle``) and a third of the group besides, those that pushed nothing in the
-    leader's last round with them (``peer.quiet``); none in a group of two. A lying leader that
-    idles honest members moves their share to the other reducers, at most from 1/n to
-    1/(n - 1 - n // 3) of the fragment each; it reduces nothing itself."""
-    return n // 3 + 1 if leader_idle(n) else 0
+    """How many members of a group of ``n`` its leader may leave without a slice to reduce
+    (``GroupFormed.idle``: those that pushed nothing in its last round with them, ``peer.quiet``).
+    A third at most, so a lying leader that idles honest members can at most bring its own share
+    of the fragment from 1/n to 1/(n - n // 3); none in a group of two."""
+    return n // 3
 
 
 def bytes_sent(numel: int, n: int, encoded_size: Callable[[int], int], witness: bool = False,

@@ -169,9 +169,8 @@ class GroupFormed(Message):
     """Seconds after this message by which every slice must be in; late members are dropped."""
     idle: Annotated[tuple[int, ...], Seq(Int(0, MAX_GROUP_SIZE - 1), max_len=MAX_GROUP_SIZE)] = ()
     """Indices of members that reduce no slice this round (ascending; at most
-    ``protocol.butterfly.max_idle``): in a group of three or more the leader, 0, always
-    (``protocol.butterfly.leader_idle``), and members that pushed nothing in the leader's last
-    round with them (``peer.quiet``). They still push. The group ID covers them."""
+    ``protocol.butterfly.max_idle``): members that pushed nothing in the leader's last round
+    with them (``peer.quiet``). They still push. The group ID covers them."""
 
     def check(self) -> None:
         if len(self.weights) != len(self.members):
@@ -180,12 +179,8 @@ class GroupFormed(Message):
             raise FieldError("a member appears twice")
         if list(self.idle) != sorted(set(self.idle)) or any(i >= len(self.members) for i in self.idle):
             raise FieldError(f"idle members {list(self.idle)} are not ascending indices of the members")
-        n = len(self.members)
-        if n >= 3 and (not self.idle or self.idle[0] != 0):  # protocol.butterfly.leader_idle
-            raise FieldError(f"the leader of a group of {n} reduces nothing: idle must list member 0, "
-                             f"got {list(self.idle)}")
-        if len(self.idle) > (n // 3 + 1 if n >= 3 else 0):  # protocol.butterfly.max_idle
-            raise FieldError(f"{len(self.idle)} idle members of {n}: at most the leader and a third of the group")
+        if len(self.idle) > len(self.members) // 3:  # protocol.butterfly.max_idle
+            raise FieldError(f"{len(self.idle)} idle members, more than a third of {len(self.members)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,7 +12,6 @@ import time
 import pytest
 
 from peer.matchmaking import Matchmaker, assign_groups, group_id_of, groups_key, joins_key, rank, round_seed
-from protocol.butterfly import leader_idle
 from protocol.envelope import seal
 from protocol.identity import Identity
 from protocol.manifest import SwarmConfig
@@ -31,10 +30,8 @@ def keys_ranked(n: int, first: bool) -> tuple[list[Identity], Identity]:
 
 
 def record(liar: Identity, members: tuple[bytes, ...], weights: tuple[float, ...], group_size: int) -> GroupFormed:
-    idle = (0,) if leader_idle(len(members)) else ()  # GroupFormed.check
-    return GroupFormed(run_id=RUN_ID, fragment=0, round=ROUND, group_id=group_id_of(SEED, members, idle),
-                       members=members, weights=weights, numel=NUMEL, codec="fp32",
-                       deadline_s=SwarmConfig().allreduce_timeout_s, idle=idle)
+    return GroupFormed(run_id=RUN_ID, fragment=0, round=ROUND, group_id=group_id_of(SEED, members), members=members,
+                       weights=weights, numel=NUMEL, codec="fp32", deadline_s=SwarmConfig().allreduce_timeout_s)
 
 
 async def form(honest: list[Identity], dht: MemoryDHT, group_size: int) -> list[tuple[bytes, ...] | None]:
@@ -107,9 +104,8 @@ def test_a_leader_whose_view_was_fuller_is_followed_once_its_extra_join_is_read(
 
 def test_a_leader_gives_its_quiet_members_no_slice_and_every_member_takes_the_same_cut():
     """``GroupFormed.idle``: the leader names the members that pushed nothing in its last round
-    with them (``peer.quiet``), up to a third besides itself (``leader_idle``); every member
-    forms that group, the same ID and the same idle set, and a quiet member the leader did not
-    mark still reduces."""
+    with them (``peer.quiet``), up to a third; every member forms that group, the same ID and
+    the same idle set, and a quiet member the leader did not mark still reduces."""
     honest, _ = keys_ranked(6, first=True)
     dht = MemoryDHT()
     sw = SwarmConfig(matchmaking_timeout_s=T, group_size=8)
@@ -124,8 +120,8 @@ def test_a_leader_gives_its_quiet_members_no_slice_and_every_member_takes_the_sa
         return await asyncio.gather(*(m.form_group(0, ROUND, 1.0, NUMEL, "fp32") for m in mms))
 
     got = asyncio.run(all_form())
-    assert {(g.members, g.group_id, g.idle) for g in got} == {(got[0].members, got[0].group_id, (0, 2, 4))}
-    assert got[0].group_id == group_id_of(SEED, got[0].members, (0, 2, 4))
+    assert {(g.members, g.group_id, g.idle) for g in got} == {(got[0].members, got[0].group_id, (2, 4))}
+    assert got[0].group_id == group_id_of(SEED, got[0].members, (2, 4))
 
 
 def test_a_record_whose_id_does_not_cover_its_idle_members_is_refused():
@@ -135,8 +131,8 @@ def test_a_record_whose_id_does_not_cover_its_idle_members_is_refused():
     honest, _ = keys_ranked(3, first=True)
     lead, *followers = sorted(honest, key=lambda i: rank(SEED, i.public_key))
     members = tuple(i.public_key for i in (lead, *followers))
-    forged = dataclasses.replace(record(lead, members, (1.0,) * 3, 8), idle=(0, 1))  # the ID is of (0,) only
-    fair = dataclasses.replace(forged, group_id=group_id_of(SEED, members, (0, 1)))
+    forged = dataclasses.replace(record(lead, members, (1.0,) * 3, 8), idle=(1,))  # the ID is of no idle set
+    fair = dataclasses.replace(forged, group_id=group_id_of(SEED, members, (1,)))
 
     def follow(rec: GroupFormed):
         dht, now = MemoryDHT(), time.time()
@@ -149,4 +145,4 @@ def test_a_record_whose_id_does_not_cover_its_idle_members_is_refused():
 
     assert follow(forged) is None
     got = follow(fair)
-    assert got is not None and got.idle == (0, 1) and got.members == members
+    assert got is not None and got.idle == (1,) and got.members == members
