@@ -270,6 +270,45 @@ class Matchmaker:
                 return True
         return False
 
+    async def _lead(self, fragment: int, round: int, numel: int, codec: str, seed: bytes,
+                    members: tuple[bytes, ...], joins: dict[bytes, _Join], now: Callable[[], float]) -> GroupFormed:
+        """Write the record of the group we lead (``members``, we first) and return it."""
+        idle = self._idle(members)
+        if idle:
+            log.info("quiet members reduce nothing fragment=%d round=%d idle=%s", fragment, round, list(idle))
+        formed = GroupFormed(run_id=self.run_id, fragment=fragment, round=round,
+                             group_id=group_id_of(seed, members, idle), members=members,
+                             weights=tuple(joins[k].weight for k in members), numel=numel, codec=codec,
+                             deadline_s=self.swarm.allreduce_timeout_s, idle=idle)
+        expiration = now() + self.swarm.matchmaking_timeout_s + self.swarm.allreduce_timeout_s
+        if not await self.dht.store(groups_key(self.run_id, fragment, round), seal(formed, self.identity),
+                                    expiration, subkey=self.identity.public_key):
+            log.warning("could not store our GroupFormed fragment=%d round=%d", fragment, round)
+        return formed
+
+    async def _without_leader(self, fragment: int, round: int, numel: int, codec: str, seed: bytes,
+                              mine: tuple[bytes, ...], joins: dict[bytes, _Join],
+                              now: Callable[[], float]) -> GroupFormed | None:
+        """Our group's leader wrote no record we could follow by our deadline (it left, or it is
+        a key that joins every round and leads none: no record, or one we refuse): the rest of
+        the group averages without it, led by the member ranked next, who writes their record
+        at its own deadline; the others look for that record (or the leader's, should it come
+        after all) until a settle time and two polls later. Followers used to average alone
+        there: a key ranked first in about one group in k left its followers apart (different
+        copies, then downloads) every time. Before its deadline nobody changes course, so an
+        honest leader that is slow, not gone, is followed as before."""
+        me, rest = self.identity.public_key, mine[1:]
+        if rest[0] == me:
+            log.warning("no record of our group's leader by our deadline: leading the rest fragment=%d round=%d "
+                        "leader=%s", fragment, round, peer_id_from_public_key(mine[0]))
+            return await self._lead(fragment, round, numel, codec, seed, rest, joins, now)
+        until = max(now(), joins[rest[0]].joined_at + self.swarm.matchmaking_timeout_s) + self.settle_s + 2 * self.poll_s
+        while True:
+            found = await self._mine(fragment, round, numel, codec, seed, joins[me], rest[0], now)
+            if found is not None or now() >= until:
+                return found
+            await asyncio.sleep(min(self.poll_s, max(0.0, until - now())))
+
     def _idle(self, members: tuple[bytes, ...]) -> tuple[int, ...]:
         """The members of the group we lead that reduce nothing (``GroupFormed.idle``): those
         that let us down in our last round with them (``quiet``), up to ``max_idle``. A
@@ -392,18 +431,7 @@ class Matchmaker:
             taken = await self._mine(fragment, round, numel, codec, seed, joins[me], me, now)
             if taken is not None and rank(seed, taken.members[0]) < rank(seed, me):
                 return self._group(taken)  # a leader ranked before us already named us: follow it
-            idle = self._idle(mine)
-            if idle:
-                log.info("quiet members reduce nothing fragment=%d round=%d idle=%s", fragment, round, list(idle))
-            formed = GroupFormed(run_id=self.run_id, fragment=fragment, round=round,
-                                 group_id=group_id_of(seed, mine, idle), members=mine,
-                                 weights=tuple(joins[k].weight for k in mine), numel=numel, codec=codec,
-                                 deadline_s=self.swarm.allreduce_timeout_s, idle=idle)
-            expiration = now() + self.swarm.matchmaking_timeout_s + self.swarm.allreduce_timeout_s
-            if not await self.dht.store(groups_key(self.run_id, fragment, round), seal(formed, self.identity),
-                                        expiration, subkey=me):
-                log.warning("could not store our GroupFormed fragment=%d round=%d", fragment, round)
-            return self._group(formed)
+            return self._group(await self._lead(fragment, round, numel, codec, seed, mine, joins, now))
 
         # A follower (or a group of one, which may still be named by a leader whose view differs).
         # The leader closed the same window a moment ago and is storing its record now: look
@@ -423,6 +451,10 @@ class Matchmaker:
             if found is not None:
                 return self._group(found)
             if now() >= give_up:
+                if len(mine) >= 3:  # our leader wrote no record we can follow: the rest go on without it
+                    found = await self._without_leader(fragment, round, numel, codec, seed, mine, joins, now)
+                    if found is not None:
+                        return self._group(found)
                 log.info("no group fragment=%d round=%d: averaging alone this round", fragment, round)
                 self._alone.setdefault(fragment, {})[round] = t_me
                 return None

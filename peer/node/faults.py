@@ -25,7 +25,10 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
   and fell silent);
 - ``ghost``: joins every round another peer joins (a valid ``JoinGroup``; it follows the group
   record, or writes it as a leader) and then sends nothing at all, nor answers an audit; it
-  averages its own rounds alone, at the others' pace (``make_ghost``).
+  averages its own rounds alone, at the others' pace (``make_ghost``);
+- ``nolead``: with ``ghost``, writes no record of a group it leads (ranked first in its batch):
+  its followers find none by their deadline and go on without it
+  (``peer.matchmaking.Matchmaker._without_leader``).
 
 The member lied to or withheld from is the one after it in the group's order.
 
@@ -52,7 +55,7 @@ from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 
 LIES = frozenset({"push1000", "push1e30", "mean1000", "negate", "equivocate", "withhold", "replay", "short", "mute",
-                  "disown", "blind", "ghost", "hush"})
+                  "disown", "blind", "ghost", "hush", "nolead"})
 
 
 def parse_lies(fault: str) -> frozenset[str]:
@@ -118,13 +121,18 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
         averager.audits.answer = lambda peer_id, msg: None
 
 
-def make_ghost(matchmaker: Any, averager: Any) -> None:
+def make_ghost(matchmaker: Any, averager: Any, lead: bool = True) -> None:
     """The ``ghost`` lie: ``matchmaker.form_group`` returns None (our own rounds are averaged
     alone) once another peer has joined that round, so we keep the others' pace; from its first
     call on, a task joins every round of our fragments that another peer has joined, through
     the real ``form_group``, whose group is then never averaged: the honest members wait for a
-    member that sends nothing."""
+    member that sends nothing. ``lead`` False (``nolead``): as a group's leader it writes no
+    record (its ``form_group`` of that round ends there)."""
     form, formats, nxt, tasks = matchmaker.form_group, {}, {}, set()
+    if not lead:
+        async def no_record(*args: Any) -> None:
+            raise asyncio.CancelledError  # the haunting task's form_group ends: nothing stored
+        matchmaker._lead = no_record
 
     async def haunt() -> None:
         from hivemind.utils import get_dht_time

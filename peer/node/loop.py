@@ -162,7 +162,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             self.matchmaker.expected = self._expected_joiners
             self.matchmaker.quiet = self.averager.quiet.__contains__  # no slice for them in groups we lead
             if "ghost" in lies:  # the swarm tests' ghost (peer.node.faults)
-                make_ghost(self.matchmaker, self.averager)
+                make_ghost(self.matchmaker, self.averager, lead="nolead" not in lies)
             self.state_server = StateServer(self.net.p2p, self.identity, self.run_id,
                                             chunk_bytes=swarm.state_chunk_bytes, max_concurrent=DONOR_SESSIONS)
             self.net.call(self.state_server.start(), timeout=30)

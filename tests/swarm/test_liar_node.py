@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from peer.batches import rank, round_seed
 from peer.demo import Demo, demo_manifest
 from peer.distrust import SUSPEND
 from peer.identity_store import load_or_create_identity
 from protocol.identity import Identity, peer_id_from_public_key
+from protocol.manifest import open_manifest
 from swarm_util import Events, kill_process_group, shared_landings
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
@@ -48,6 +50,11 @@ def _setup(tmp_path: Path, **sync) -> Path:
         key = setup / f"peer{i}.key"
         key.write_bytes(Identity.from_seed(bytes([i + 1]) * 32).to_libp2p())
         key.chmod(0o600)
+    (setup / "demo.swarmrun").write_bytes(_manifest(setup, **sync))
+    return setup
+
+
+def _manifest(setup: Path, **sync) -> bytes:
     # a shorter all-reduce deadline than the demo's 20 s: a round in which a member never
     # joins the group its leader formed (an honest one that distrusts the liar leading it)
     # costs the others 2.5 x that
@@ -56,9 +63,24 @@ def _setup(tmp_path: Path, **sync) -> Path:
     # follows the others (sync.follow false, lockstep): on a shared machine equal peers that
     # were waited for once followed for a while, skipping steps, and the steps skipped (3-7 of
     # 200 in a baseline, 15-39 beside the liar, with two busy loops) moved the loss by 4%
-    (setup / "demo.swarmrun").write_bytes(demo_manifest(4, setup / "peer0.key", swarm={"allreduce_timeout_s": 8.0},
-                                                        **{"late_share": 0.0, "follow": False, **sync}))
-    return setup
+    return demo_manifest(4, setup / "peer0.key", swarm={"allreduce_timeout_s": 8.0},
+                         **{"late_share": 0.0, "follow": False, **sync})
+
+
+def _leading(setup: Path, peer: int, rounds: int) -> list[tuple[int, int]]:
+    """A manifest (written to ``setup``) of a run in which peer ``peer`` ranks first of the four,
+    so leads their group, in at least one round after each fragment's first: -> those
+    (fragment, round). The ranks follow from the run ID, which the manifest's time changes."""
+    keys = [load_or_create_identity(setup / f"peer{i}.key").public_key for i in range(4)]
+    for _ in range(1000):
+        data = _manifest(setup)
+        run_id = open_manifest(data).run_id
+        firsts = [(f, r) for f in range(2) for r in range(1, rounds)
+                  if min(keys, key=lambda k: rank(round_seed(run_id, f, r), k)) == keys[peer]]
+        if firsts:
+            (setup / "demo.swarmrun").write_bytes(data)
+            return firsts
+    raise AssertionError(f"no manifest in 1000 in which peer {peer} leads a round")
 
 
 def _agreed(seen, honest) -> None:
@@ -257,25 +279,36 @@ def test_a_reducer_that_never_shows_its_inputs_is_suspended_by_its_auditors_then
 
 
 def test_a_ghost_that_joins_every_group_and_sends_nothing_is_waited_for_once_then_briefly(tmp_path, demos):
-    """Peer 3 joins every round the honest peers join, follows (or writes) the group record and
-    then sends nothing at all (``lie:ghost``). Nothing it does is a proven lie, so nobody bans
-    it; each honest peer waits the push deadline for it once, then marks it quiet
-    (``peer.quiet``), and in its later groups with it drops it soon after the others pushed,
-    as late. The honest peers land one result in every group they share."""
+    """Peer 3 joins every round the honest peers join, follows the group record and then sends
+    nothing at all; ranked first, it writes no record (``lie:ghost+nolead``). Nothing it does is
+    a proven lie, so nobody bans it; each honest peer waits the push deadline for it once, then
+    marks it quiet (``peer.quiet``), and in its later groups with it drops it soon after the
+    others pushed, as late. In the rounds it leads, the honest peers go on without it (they
+    used to average alone, apart). The honest peers land one result in every group they share."""
     setup = _setup(tmp_path)
+    led = _leading(setup, 3, rounds=4)
     demo, seen = run(tmp_path / "attacked", demos, 4, setup, rounds=4,
-                     envs={3: {"SWARMSTREAM_FAULT": "lie:ghost"}, **{i: {"SWARMSTREAM_LOG": "INFO"} for i in HONEST}})
+                     envs={3: {"SWARMSTREAM_FAULT": "lie:ghost+nolead"},
+                           **{i: {"SWARMSTREAM_LOG": "INFO"} for i in HONEST}})
+    in_led = [ev for i, ev in seen if i in HONEST and ev.get("event") == "synced"
+              and (ev["fragment"], ev["round"]) in led]
+    assert any(ev["group_size"] == 3 for ev in in_led), (led, in_led)  # not one alone each: together
+    assert any("no record of our group's leader by our deadline: leading the rest" in
+               (tmp_path / "attacked" / f"peer{i}.log").read_text() for i in HONEST)
     with_ghost = [ev for i, ev in seen if i in HONEST and ev.get("event") == "synced" and ev["group_size"] == 4]
     assert with_ghost, "the ghost was never in a group with the honest peers"
     ghost = peer_id_from_public_key(load_or_create_identity(setup / "peer3.key").public_key)
-    for i in HONEST:
-        text = (tmp_path / "attacked" / f"peer{i}.log").read_text()
+    texts = [(tmp_path / "attacked" / f"peer{i}.log").read_text() for i in HONEST]
+    for i, text in zip(HONEST, texts):  # a whole deadline once
         assert f"reason=timeout:slice not received in time peer={ghost}" in text, f"peer {i}: {text[-2000:]}"
-        assert f"reason=timeout:slice not received, quiet: silent in our last round with it too peer={ghost}" in text
         assert f"banned peer={ghost}" not in text
+    # then a short wait (by each peer that had it in a later group: the rounds the ghost leads
+    # are averaged without it)
+    assert any(f"reason=timeout:slice not received, quiet: silent in our last round with it too peer={ghost}" in text
+               for text in texts)
     # a group an honest peer leads once it knows the ghost is quiet gives it no slice
-    # (GroupFormed.idle): nothing falls back there; before that (and when the ghost leads),
-    # the ghost's slice does, and nothing else
+    # (GroupFormed.idle): nothing falls back there; before that the ghost's slice does, and
+    # nothing else (the ghost leads no group: it writes no record)
     assert all(ev["fallback"] <= 1 for ev in with_ghost)
     assert any(ev["fallback"] == 0 and ev["dropped"] == 1 for ev in with_ghost), with_ghost
     _agreed(seen, HONEST)

@@ -60,10 +60,38 @@ def test_a_key_that_names_members_of_other_groups_is_not_followed(joined):
     got = asyncio.run(form(honest, dht, 3))
     for h, members in zip(honest, got):
         own = next(g for g in rightful if h.public_key in g)
-        if liar.public_key in own:  # led by the liar, which wrote no record of its group: alone
-            assert members is None
+        if liar.public_key in own:  # led by the liar, which wrote no record of its group: the rest go
+            assert members == (own[1:] if len(own) >= 3 else None)  # on without it (a pair's other: alone)
         else:  # in its own group, whatever the liar wrote
             assert members == own, (members, own)
+
+
+@pytest.mark.parametrize("wrote", ["nothing", "a record we refuse"])
+def test_the_rest_of_a_group_whose_leader_wrote_no_record_to_follow_average_without_it(wrote):
+    """A key ranked first joins and then writes no record (or one that fails our checks): by
+    their deadline its followers used to give up and average alone, apart. Now the member
+    ranked next leads the rest: every one of them follows one record, and they keep their
+    weights."""
+    honest, liar = keys_ranked(4, first=True)
+    dht = MemoryDHT()
+    now = time.time()
+    asyncio.run(dht.store(joins_key(RUN_ID, 0, ROUND), seal(JoinGroup(run_id=RUN_ID, fragment=0, round=ROUND,
+                weight=1.0, numel=NUMEL), liar), now + 2 * T, subkey=liar.public_key))
+    everyone = tuple(sorted([liar.public_key] + [h.public_key for h in honest], key=lambda k: rank(SEED, k)))
+    assert everyone[0] == liar.public_key
+    if wrote != "nothing":  # its group, but with a deadline that is not the run's: refused
+        bad = dataclasses.replace(record(liar, everyone, (1.0,) * 5, 8), deadline_s=1.0)
+        asyncio.run(dht.store(groups_key(RUN_ID, 0, ROUND), seal(bad, liar), now + 100, subkey=liar.public_key))
+    sw = SwarmConfig(matchmaking_timeout_s=T, group_size=8)
+    mms = [Matchmaker(dht, h, RUN_ID, sw, poll_s=0.05) for h in honest]
+
+    async def all_form():
+        return await asyncio.gather(*(m.form_group(0, ROUND, 1.0, NUMEL, "fp32") for m in mms))
+
+    got = asyncio.run(all_form())
+    assert all(g is not None for g in got), got
+    assert {(g.members, g.group_id, g.idle, g.weights) for g in got} == {
+        (everyone[1:], group_id_of(SEED, everyone[1:]), (), (1.0,) * 4)}
 
 
 def test_a_leader_whose_view_was_fuller_is_followed_once_its_extra_join_is_read():
@@ -143,6 +171,7 @@ def test_a_record_whose_id_does_not_cover_its_idle_members_is_refused():
         mm = Matchmaker(dht, followers[0], RUN_ID, SwarmConfig(matchmaking_timeout_s=T, group_size=8), poll_s=0.05)
         return asyncio.run(mm.form_group(0, ROUND, 1.0, NUMEL, "fp32"))
 
-    assert follow(forged) is None
+    refused = follow(forged)  # not followed: we lead the rest of the group without it (ranked next)
+    assert refused is not None and refused.members == members[1:] and refused.idle == ()
     got = follow(fair)
     assert got is not None and got.idle == (1,) and got.members == members
