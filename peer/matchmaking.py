@@ -104,8 +104,9 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from peer.allreduce import Group
-from peer.batches import assign_groups, batch_of, busiest_batch, group_id_of, groups_key, joins_key, rank, round_seed
+from peer.batches import assign_groups, batch_of, group_id_of, groups_key, joins_key, rank, round_seed
 from peer.distrust import Distrust
+from peer.matchmaking_phase import PhaseMixin
 from protocol.butterfly import max_idle
 from protocol.envelope import seal, verify
 from protocol.errors import LocalProtocolError, RemoteProtocolError
@@ -125,7 +126,6 @@ SETTLE_MAX_S = 2.0
 JOIN_TTL_FACTOR = 2.0  # joins outlive every window they can be part of
 CLOCK_SKEW_S = 30.0
 FORMATION_MARGIN_S = 1.0  # for the DHT round trips of forming a group, on top of the windows
-ALIGN_HISTORY = 3  # lonely rounds of a fragment whose join times align_delay looks back on
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +135,7 @@ class _Join:
     joined_at: float
 
 
-class Matchmaker:
+class Matchmaker(PhaseMixin):
     """Forms this peer's averaging groups for one run. Call ``form_group`` from the event loop
     that runs ``dht`` (see the module docstring for the scheme)."""
 
@@ -323,75 +323,6 @@ class Matchmaker:
         return Group(run_id=self.run_id, fragment=f.fragment, round=f.round, group_id=bytes(f.group_id),
                      members=tuple(bytes(m) for m in f.members), weights=tuple(f.weights), numel=f.numel,
                      codec=f.codec, deadline_s=f.deadline_s, formed_at=self.distrusted.syncs, idle=tuple(f.idle))
-
-    async def wait_for_others(self, fragment: int, round: int, numel: int, timeout_s: float, *,
-                              now: Callable[[], float] = get_dht_time) -> str:
-        """Wait until a peer other than us has joined (fragment, round), reading the joins every
-        ``poll_s``, at most ``timeout_s``. -> ``"joined"`` (join now: we land in their batch),
-        ``"late"`` (two or more others joined it in a batch that closes before ours would: we
-        cannot meet them this round) or ``"none"`` (nobody came). A node slower than the swarm
-        joins its rounds when the others do (``peer.pace``), not by its own step counter.
-
-        A join time is its writer's to choose (backdated, say): one join alone never makes us
-        give a round up, it only makes us keep looking; giving up takes a closed batch of two
-        or more keys (a Sybil's price, see docs/THREAT_MODEL.md)."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout_s
-        me = self.identity.public_key
-        while True:
-            others = {k: j.joined_at for k, j in (await self._read_joins(fragment, round, numel, now())).items()
-                      if k != me}
-            if others:
-                t = now()
-                batch, _ = batch_of({**others, me: t}, me, self.gap_s, self.span_s)
-                if len(batch) > 1:
-                    return "joined"
-                closed = [k for k in others if batch_of({**others, me: t}, k, self.gap_s, self.span_s)[1] < t]
-                if len(closed) >= 2:
-                    return "late"
-            if loop.time() >= end:
-                return "none"
-            await asyncio.sleep(min(self.poll_s, max(0.0, end - loop.time())))
-
-    async def align_delay(self, fragment: int, round: int, numel: int, *,
-                          now: Callable[[], float] = get_dht_time) -> float:
-        """How long to wait before joining ``round`` so as to meet the peers that joined our
-        previous, lonely round of this fragment later than we did (0: we were not alone, or
-        nobody came later). Bounded by ``matchmaking_timeout_s``.
-
-        A peer about a round behind joins our previous round about when we join this one, so
-        its join may not be readable yet: then the lonely round before tells the same offset
-        (less what we waited since). Without that, two peers a round apart would never meet.
-        A peer more than 1.5 of our rounds behind is not waited for: it is rounds behind, not
-        out of step, and downloads the swarm's state (``peer.node.catchup``); waiting for it
-        would only keep it from falling far enough behind to do so. The wait goes to the start
-        of the batch most of them joined in (``busiest_batch``), not to the latest join: a join
-        time is its writer's choice."""
-        alone = self._alone.get(fragment, {})
-        waited = self._waited.setdefault(fragment, {})
-        me = self.identity.public_key
-        delay = 0.0
-        q = round - 1
-        while q in alone and q > round - 1 - ALIGN_HISTORY:  # our lonely rounds, latest first, back to back
-            joins = await self._read_joins(fragment, q, numel, now())
-            others = [j.joined_at for k, j in joins.items() if k != me and k not in self.distrusted]
-            if others:
-                if later := [t for t in others if t > alone[q]]:
-                    # where most of them joined, not the latest join: one key's join, dated
-                    # just under T after ours, kept a peer waiting T and alone every round
-                    delay = busiest_batch(later, self.gap_s, self.span_s) - alone[q] \
-                        - sum(waited.get(x, 0.0) for x in range(q + 1, round))
-                    period = alone[q + 1] - alone[q] if q + 1 in alone else alone[q] - alone.get(q - 1, -math.inf)
-                    if delay > 1.5 * period:  # a round or more behind: it catches up by download, not by our waits
-                        delay = 0.0
-                break
-            q -= 1  # nobody's join of that round readable yet: look one round further back
-        delay = min(max(delay, 0.0), self.swarm.matchmaking_timeout_s)
-        waited[round] = delay
-        for notes in (alone, waited):
-            for old in [x for x in notes if x <= round - ALIGN_HISTORY]:
-                del notes[old]
-        return delay
 
     async def form_group(self, fragment: int, round: int, weight: float, numel: int, codec: str, *,
                          now: Callable[[], float] = get_dht_time) -> Group | None:
