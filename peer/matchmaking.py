@@ -35,7 +35,9 @@ Why it converges: batches and groups are pure functions of the set of joins, and
 read happens after the window has closed, so peers that see the same joins compute the same
 groups. Nobody has to *agree* through the DHT beyond that: members follow the one signed
 record their leader wrote, so each group has exactly one member list and order. Why nobody
-hangs: every wait ends at ``join time + T``. If views differ (a store that landed late), two
+hangs: every wait for a leader's record ends at ``join time + T``; a group whose leader wrote
+none by then goes on without it, its member ranked next leading, which ends a batch's span, a
+gap, a settle time and two polls later at most (``_without_leader``). If views differ (a store that landed late), two
 leaders may name the same peer; it follows its own leader's record, or the one its fresh read
 of the joins confirms, ranked first (the same rule on every peer), and the other group's
 all-reduce drops the missing member at its deadline. A peer
@@ -291,23 +293,48 @@ class Matchmaker(PhaseMixin):
                               now: Callable[[], float]) -> GroupFormed | None:
         """Our group's leader wrote no record we could follow by our deadline (it left, or it is
         a key that joins every round and leads none: no record, or one we refuse): the rest of
-        the group averages without it, led by the member ranked next, who writes their record
-        at its own deadline; the others look for that record (or the leader's, should it come
-        after all) until a settle time and two polls later. Followers used to average alone
-        there: a key ranked first in about one group in k left its followers apart (different
-        copies, then downloads) every time. Before its deadline nobody changes course, so an
-        honest leader that is slow, not gone, is followed as before."""
-        me, rest = self.identity.public_key, mine[1:]
-        if rest[0] == me:
-            log.warning("no record of our group's leader by our deadline: leading the rest fragment=%d round=%d "
-                        "leader=%s", fragment, round, peer_id_from_public_key(mine[0]))
-            return await self._lead(fragment, round, numel, codec, seed, rest, joins, now)
-        until = max(now(), joins[rest[0]].joined_at + self.swarm.matchmaking_timeout_s) + self.settle_s + 2 * self.poll_s
-        while True:
-            found = await self._mine(fragment, round, numel, codec, seed, joins[me], rest[0], now)
-            if found is not None or now() >= until:
+        the group averages without it. Until the last member's deadline (``latest``) the
+        leader's record is still followed should it come; then the member ranked next of those
+        its records did not take (a record names a member with the weight it joined with: that
+        member follows it) writes the record of the others, as their leader, and they look for
+        it until a settle time, a gap and two polls later, taking it only if it names a part of
+        our group with the weights they joined with (a second key gets no more say than that).
+        Followers used to average alone there: a key ranked first in about one group in k left
+        its followers apart (different copies, then downloads) every time. Before our deadline
+        nothing changes, so an honest leader that is slow, not gone, is followed as before."""
+        me, leader, own = self.identity.public_key, mine[0], joins[self.identity.public_key]
+        latest = max(joins[k].joined_at for k in mine) + self.swarm.matchmaking_timeout_s
+        while now() < latest:  # a member whose deadline is later still follows the leader's record
+            found = await self._mine(fragment, round, numel, codec, seed, own, leader, now)
+            if found is not None:
                 return found
+            await asyncio.sleep(min(self.poll_s, max(0.0, latest - now())))
+        taken = {k for f in await self._read_groups(fragment, round, numel, codec, seed) if f.members[0] == leader
+                 for k, w in zip(f.members, f.weights) if k in joins and joins[k].weight == w}
+        rest = tuple(k for k in mine[1:] if k not in taken)
+        if me not in rest or len(rest) < 2:
+            return None
+        if rest[0] == me:
+            log.warning("no record of our group's leader by its members' deadlines: leading the rest fragment=%d "
+                        "round=%d leader=%s members=%d", fragment, round, peer_id_from_public_key(leader), len(rest))
+            return await self._lead(fragment, round, numel, codec, seed, rest, joins, now)
+        until = latest + self.settle_s + self.gap_s + 2 * self.poll_s  # its store, and clocks apart
+        while True:
+            for f in await self._read_groups(fragment, round, numel, codec, seed):
+                if (f.members[0] == rest[0] and me in f.members and set(f.members) <= set(rest)
+                        and f.weights == tuple(joins[k].weight for k in f.members)):
+                    log.info("following the member ranked next: no record of our group's leader fragment=%d "
+                             "round=%d leader=%s", fragment, round, peer_id_from_public_key(leader))
+                    return f
+            if now() >= until:
+                return None
             await asyncio.sleep(min(self.poll_s, max(0.0, until - now())))
+
+    def leaderless_s(self) -> float:
+        """How much longer than ``matchmaking_timeout_s`` ``form_group`` may take: a group whose
+        leader wrote no record waits for its last member's deadline (a batch's span after ours
+        at most), then for its next member's record (``_without_leader``)."""
+        return self.span_s + self.settle_s + self.gap_s + 2 * self.poll_s + FORMATION_MARGIN_S
 
     def _idle(self, members: tuple[bytes, ...]) -> tuple[int, ...]:
         """The members of the group we lead that reduce nothing (``GroupFormed.idle``): those
@@ -327,7 +354,8 @@ class Matchmaker(PhaseMixin):
     async def form_group(self, fragment: int, round: int, weight: float, numel: int, codec: str, *,
                          now: Callable[[], float] = get_dht_time) -> Group | None:
         """Our group for (fragment, round), or None if nobody joined us before the deadline
-        (``matchmaking_timeout_s`` after this call): then keep the local value this round."""
+        (``matchmaking_timeout_s`` after this call; ``leaderless_s`` more where our leader
+        wrote no record): then keep the local value this round."""
         if not (math.isfinite(weight) and 0 < weight <= self.max_weight):
             raise LocalProtocolError(f"weight must be a positive number up to {self.max_weight:g}, got {weight}")
         me = self.identity.public_key

@@ -284,7 +284,8 @@ class SyncMixin:
         t0 = time.perf_counter()
         reason = ""
         try:
-            result = self._await_beating(fut, swarm, swarm.matchmaking_timeout_s + 2.5 * swarm.allreduce_timeout_s + 30)
+            result = self._await_beating(fut, swarm, swarm.matchmaking_timeout_s + self.matchmaker.leaderless_s()
+                                         + 2.5 * swarm.allreduce_timeout_s + 30)
             if result is None:
                 reason = "no group formed: averaged alone"
         except Exception as e:  # a failed round must not stop training: average alone

@@ -293,7 +293,7 @@ def test_a_ghost_that_joins_every_group_and_sends_nothing_is_waited_for_once_the
     in_led = [ev for i, ev in seen if i in HONEST and ev.get("event") == "synced"
               and (ev["fragment"], ev["round"]) in led]
     assert any(ev["group_size"] == 3 for ev in in_led), (led, in_led)  # not one alone each: together
-    assert any("no record of our group's leader by our deadline: leading the rest" in
+    assert any("no record of our group's leader by its members' deadlines: leading the rest" in
                (tmp_path / "attacked" / f"peer{i}.log").read_text() for i in HONEST)
     with_ghost = [ev for i, ev in seen if i in HONEST and ev.get("event") == "synced" and ev["group_size"] == 4]
     assert with_ghost, "the ghost was never in a group with the honest peers"

@@ -94,6 +94,60 @@ def test_the_rest_of_a_group_whose_leader_wrote_no_record_to_follow_average_with
         (everyone[1:], group_id_of(SEED, everyone[1:]), (), (1.0,) * 4)}
 
 
+def _joined_liar_first(n_honest: int):
+    honest, liar = keys_ranked(n_honest, first=True)
+    dht = MemoryDHT()
+    now = time.time()
+    for k in (liar, *honest):
+        asyncio.run(dht.store(joins_key(RUN_ID, 0, ROUND), seal(JoinGroup(run_id=RUN_ID, fragment=0, round=ROUND,
+                    weight=1.0, numel=NUMEL), k), now + 2 * T, subkey=k.public_key))
+    everyone = tuple(sorted([liar.public_key] + [h.public_key for h in honest], key=lambda k: rank(SEED, k)))
+    assert everyone[0] == liar.public_key
+    return honest, liar, dht, everyone, now
+
+
+def _all_form(honest, dht):
+    sw = SwarmConfig(matchmaking_timeout_s=T, group_size=8)
+    mms = [Matchmaker(dht, h, RUN_ID, sw, poll_s=0.05) for h in honest]
+
+    async def go():
+        return await asyncio.gather(*(m.form_group(0, ROUND, 1.0, NUMEL, "fp32") for m in mms))
+
+    return asyncio.run(go())
+
+
+def test_a_leader_whose_record_leaves_out_the_member_ranked_next_does_not_strand_it():
+    """The leader's record names every member but the one ranked second: the others follow
+    it, and the second, whose would-be group the record took, averages alone (as before)
+    instead of leading a group nobody joins and waiting the all-reduce's deadline in it."""
+    honest, liar, dht, everyone, now = _joined_liar_first(4)
+    named = (everyone[0], *everyone[2:])
+    asyncio.run(dht.store(groups_key(RUN_ID, 0, ROUND), seal(record(liar, named, (1.0,) * 4, 8), liar), now + 100,
+                          subkey=liar.public_key))
+    got = {h.public_key: g for h, g in zip(honest, _all_form(honest, dht))}
+    assert got[everyone[1]] is None
+    assert all(got[k] is not None and got[k].members == named for k in everyone[2:])
+
+
+@pytest.mark.parametrize("lie", ["a stranger", "a heavier weight"])
+def test_the_member_ranked_next_gets_no_more_say_than_the_rest_of_the_group(lie):
+    """The leader wrote nothing, and the member ranked second (a liar too) writes a record of
+    "the rest" early with a key that is not in our group, or with its own weight raised: no
+    member follows it; each averages alone when nothing else comes (as before)."""
+    honest, liar, dht, everyone, now = _joined_liar_first(3)
+    second = next(h for h in honest if h.public_key == everyone[1])
+    stranger = Identity.generate().public_key
+    if lie == "a stranger":
+        members, weights = (*everyone[1:], stranger), (1.0,) * 4
+    else:
+        members, weights = everyone[1:], (1e6, 1.0, 1.0)
+    forged = GroupFormed(run_id=RUN_ID, fragment=0, round=ROUND, group_id=group_id_of(SEED, members), members=members,
+                         weights=weights, numel=NUMEL, codec="fp32", deadline_s=SwarmConfig().allreduce_timeout_s)
+    asyncio.run(dht.store(groups_key(RUN_ID, 0, ROUND), seal(forged, second), now + 100, subkey=second.public_key))
+    others = [h for h in honest if h is not second]
+    assert _all_form(others, dht) == [None, None]
+
+
 def test_a_leader_whose_view_was_fuller_is_followed_once_its_extra_join_is_read():
     """Views differ: the leader saw a join we had not read when our window closed. Its record
     is not what our view gives, but it is once we read the joins again: we follow it."""
