@@ -297,7 +297,7 @@ class Matchmaker(PhaseMixin):
         leader's record is still followed should it come; then the member ranked next of those
         its records did not take (a record names a member with the weight it joined with: that
         member follows it) writes the record of the others, as their leader, and they look for
-        it until a settle time, a gap and two polls later, taking it only if it names a part of
+        it until a settle time, a gap and two polls later, taking it only if it names members of
         our group with the weights they joined with (a second key gets no more say than that).
         Followers used to average alone there: a key ranked first in about one group in k left
         its followers apart (different copies, then downloads) every time. Before our deadline
@@ -309,8 +309,11 @@ class Matchmaker(PhaseMixin):
             if found is not None:
                 return found
             await asyncio.sleep(min(self.poll_s, max(0.0, latest - now())))
-        taken = {k for f in await self._read_groups(fragment, round, numel, codec, seed) if f.members[0] == leader
-                 for k, w in zip(f.members, f.weights) if k in joins and joins[k].weight == w}
+        led = [f for f in await self._read_groups(fragment, round, numel, codec, seed) if f.members[0] == leader]
+        for f in led:  # one read for both: a record that landed since our last look is followed, not raced
+            if me in f.members and f.weights[f.members.index(me)] == own.weight and leader not in self.distrusted:
+                return f
+        taken = {k for f in led for k, w in zip(f.members, f.weights) if k in joins and joins[k].weight == w}
         rest = tuple(k for k in mine[1:] if k not in taken)
         if me not in rest or len(rest) < 2:
             return None
@@ -321,8 +324,10 @@ class Matchmaker(PhaseMixin):
         until = latest + self.settle_s + self.gap_s + 2 * self.poll_s  # its store, and clocks apart
         while True:
             for f in await self._read_groups(fragment, round, numel, codec, seed):
-                if (f.members[0] == rest[0] and me in f.members and set(f.members) <= set(rest)
-                        and f.weights == tuple(joins[k].weight for k in f.members)):
+                if (f.members[0] == rest[0] and me in f.members and set(f.members) <= set(mine[1:])
+                        and f.weights == tuple(joins[k].weight for k in f.members)):  # (its view of
+                    # what the leader took may differ from ours: a member it names that went
+                    # with the leader is dropped by the all-reduce, at its deadline)
                     log.info("following the member ranked next: no record of our group's leader fragment=%d "
                              "round=%d leader=%s", fragment, round, peer_id_from_public_key(leader))
                     return f
