@@ -104,23 +104,41 @@ class AgreementMixin:
 
     def conform(self) -> list[int]:
         """Parts we hold and fall back on, as members that finished before us did (their
-        finals): a part whose reducer came late (``came_late``), which more finished members
-        (not banned, nor dropped for a lie) landed without than with our mean of it. The
-        reducer of such a part produced it after those members had landed without it;
-        landing it would leave us apart from them."""
+        finals): a part whose reducer came late (``came_late``) that most of the members that
+        waited for it landed without (``_without_most``). The reducer of such a part produced
+        it after those members had landed without it; landing it would leave us apart from
+        them."""
         mine = self.digests()
-        finals = [f for i, f in self.finals.items() if self._believed(i)]
         out = []
         for j in range(self.n):
-            if not mine[j] or j in self.convicted or not finals or not self.came_late(j):
+            if not mine[j] or j in self.convicted or not self.came_late(j):
                 continue
-            without = sum(1 for f in finals if not f[j])
-            if without > sum(1 for f in finals if f[j] == mine[j]):
+            voters, without = self._without_most(j, mine[j])
+            if 2 * without > voters:
                 log.warning("falling back on a part the members that finished first landed without part=%d "
-                            "reducer=%s without=%d of=%d group=%s", j, self.peer_ids[j], without, len(finals),
+                            "reducer=%s without=%d of=%d group=%s", j, self.peer_ids[j], without, voters,
                             self.group.group_id.hex())
                 out.append(j)
         return out
+
+    def _without_most(self, j: int, mine: bytes) -> tuple[int, int]:
+        """(voters, without) for part j: the members that waited for the part, as its reducer
+        counted them (its contributors, we and the reducer left out: the reducer lands its own
+        part unless it too conforms), believed (``_believed``), and not holding another mean of
+        it (a final with one counts for neither side); and how many of them finished without
+        it. Members that have not finished count as landing it: an honest contributor that got
+        the part in time lands it. So one member's final (a liar's, say, that cut us from its
+        own part and named us late) moves nobody while another contributor has not finished."""
+        voters = without = 0
+        for i in self.contributors.get(j, ()):
+            if i in (self.me, j) or not self._believed(i):
+                continue
+            final = self.finals.get(i)
+            if final is not None and final[j] and final[j] != mine:
+                continue
+            voters += 1
+            without += final is not None and not final[j]
+        return voters, without
 
     def apart(self) -> list[int]:
         """Members (not banned) whose final says they landed other parts than we did."""

@@ -121,6 +121,23 @@ def test_another_reducers_part_is_followed_only_when_it_was_late_to_us():
     assert rnd.conform() == [2]
 
 
+def test_a_liars_final_cannot_make_us_fall_back_while_a_member_that_waited_for_our_part_has_not_finished():
+    """Member 0 (a liar that leads the group) cut us from its part, so the only other part we
+    hold lacks our slice and our own part looks late (member 1's part is on its way, or
+    member 1 reduces none); its final then says it landed without our part. Member 1, which
+    pushed to us and waits for our part, lands it: we must too. Only the finals of most of
+    the members that waited for the part (its contributors) make us fall back."""
+    for ours in ((1, LATE), (0, 1, LATE)):  # the liar's slice cut from our part too, or counted
+        rnd = member(LATE)
+        hold(rnd, 0, (0,))
+        hold(rnd, LATE, ours)
+        assert rnd.came_late(LATE)
+        deliver(rnd, final(0, landed_without(rnd, LATE)))
+        assert rnd.conform() == [], ours
+        deliver(rnd, final(1, landed_without(rnd, LATE)))  # the member that waited for it landed without it
+        assert rnd.conform() == [LATE], ours
+
+
 def test_a_final_is_kept_apart_from_the_report_and_once_per_member():
     rnd = late_member(on_time=False)
     first = landed_without(rnd, LATE)
