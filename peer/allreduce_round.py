@@ -31,9 +31,9 @@ module holds the state, the waiters' questions and our own reduction. Three phas
    member to one whose report comes after it finished. A member that started late (starved
    of CPU, busy with its previous round) may produce its part only after the others landed
    without it; it then holds a part they fell back on. Before it lands, it falls back on a
-   part it holds when its reducer came late as it saw it and most of the members that waited
-   for the part (its contributors) landed without it, counting those not finished as landing
-   it (``conform``). So the first finishers' decision stands, and the later ones follow it. A
+   part it holds when its reducer came late as it saw it and more members landed without the
+   part than landed it or will (a member not finished that holds it, or that the reducer
+   counted and has not reported: ``conform``). So the first finishers' decision stands, and the later ones follow it. A
    single member's final cannot make another fall back on a part that came on time, nor
    outvote an honest member that landed the part or has yet to land it.
 """

@@ -104,41 +104,46 @@ class AgreementMixin:
 
     def conform(self) -> list[int]:
         """Parts we hold and fall back on, as members that finished before us did (their
-        finals): a part whose reducer came late (``came_late``) that most of the members that
-        waited for it landed without (``_without_most``). The reducer of such a part produced
-        it after those members had landed without it; landing it would leave us apart from
-        them."""
+        finals): a part whose reducer came late (``came_late``) that more members landed, or
+        will land, without it than with our mean of it (``_tally``). The reducer of such a
+        part produced it after those members had landed without it; landing it would leave us
+        apart from them."""
         mine = self.digests()
         out = []
         for j in range(self.n):
             if not mine[j] or j in self.convicted or not self.came_late(j):
                 continue
-            voters, without = self._without_most(j, mine[j])
-            if 2 * without > voters:
+            without, with_ = self._tally(j, mine[j])
+            if without > with_:
                 log.warning("falling back on a part the members that finished first landed without part=%d "
-                            "reducer=%s without=%d of=%d group=%s", j, self.peer_ids[j], without, voters,
+                            "reducer=%s without=%d with=%d group=%s", j, self.peer_ids[j], without, with_,
                             self.group.group_id.hex())
                 out.append(j)
         return out
 
-    def _without_most(self, j: int, mine: bytes) -> tuple[int, int]:
-        """(voters, without) for part j: the members that waited for the part, as its reducer
-        counted them (its contributors, we and the reducer left out: the reducer lands its own
-        part unless it too conforms), believed (``_believed``), and not holding another mean of
-        it (a final with one counts for neither side); and how many of them finished without
-        it. Members that have not finished count as landing it: an honest contributor that got
-        the part in time lands it. So one member's final (a liar's, say, that cut us from its
-        own part and named us late) moves nobody while another contributor has not finished."""
-        voters = without = 0
-        for i in self.contributors.get(j, ()):
-            if i in (self.me, j) or not self._believed(i):
+    def _tally(self, j: int, mine: bytes) -> tuple[int, int]:
+        """(without, with) for part j, over the other believed members (``_believed``): a
+        finished one by its final (one with another mean of the part counts for neither side);
+        one not finished (its reducer aside, which lands its own part unless it too conforms)
+        lands our mean if its report holds it, or if it sent no report yet and the part's
+        reducer counted it (a contributor gets the part from its reducer); one whose report
+        lacked the part got it late, if at all, and follows the same finals: neither side.
+        So the finals of members that finished cannot outvote members that will land the
+        part: a liar that cut us from its own part (our own part then looks late) and says it
+        landed without ours moves nobody while a member that got our part is still on its
+        way; and every member judging the part counts the same finished members."""
+        without = with_ = 0
+        for i in range(self.n):
+            if i == self.me or not self._believed(i):
                 continue
             final = self.finals.get(i)
-            if final is not None and final[j] and final[j] != mine:
-                continue
-            voters += 1
-            without += final is not None and not final[j]
-        return voters, without
+            if final is not None:
+                without += not final[j]
+                with_ += final[j] == mine
+            elif i != j:
+                report = self.reports.get(i)
+                with_ += i in self.contributors.get(j, ()) if report is None else report[j] == mine
+        return without, with_
 
     def apart(self) -> list[int]:
         """Members (not banned) whose final says they landed other parts than we did."""

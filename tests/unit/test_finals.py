@@ -16,15 +16,14 @@ from protocol.messages_swarm import PartsHeld, SliceAveraged
 RUN = b"\x07" * 20
 GID = b"f" * 16
 N = 3
-KEYS = [Identity.from_seed(bytes([0x40 + i]) * 32) for i in range(N)]
-NUMEL = 10 * N  # parts of 10
+KEYS = [Identity.from_seed(bytes([0x40 + i]) * 32) for i in range(4)]  # the first n are a group of n
 LATE = 2  # the member that started late, and reducer of part 2
 
 
-def member(me: int, banned: frozenset = frozenset()) -> Round:
-    group = Group(run_id=RUN, fragment=0, round=1, group_id=GID, members=tuple(k.public_key for k in KEYS),
-                  weights=(1.0,) * N, numel=NUMEL, codec="fp32", deadline_s=5.0)
-    rnd = Round(group, me, torch.zeros(NUMEL), get_codec("fp32"), banned=banned)
+def member(me: int, banned: frozenset = frozenset(), n: int = N) -> Round:
+    group = Group(run_id=RUN, fragment=0, round=1, group_id=GID, members=tuple(k.public_key for k in KEYS[:n]),
+                  weights=(1.0,) * n, numel=10 * n, codec="fp32", deadline_s=5.0)
+    rnd = Round(group, me, torch.zeros(10 * n), get_codec("fp32"), banned=banned)
     rnd.collecting_pushes = False
     return rnd
 
@@ -48,8 +47,8 @@ def hold(rnd: Round, j: int, contributors: tuple[int, ...]) -> None:
         deliver(rnd, frame)
 
 
-def final(i: int, digests: tuple[bytes, ...]) -> bytes:
-    return seal(PartsHeld(run_id=RUN, fragment=0, round=1, group_id=GID, digests=digests, final=True), KEYS[i])
+def final(i: int, digests: tuple[bytes, ...], is_final: bool = True) -> bytes:
+    return seal(PartsHeld(run_id=RUN, fragment=0, round=1, group_id=GID, digests=digests, final=is_final), KEYS[i])
 
 
 def landed_without(rnd: Round, j: int) -> tuple[bytes, ...]:
@@ -136,6 +135,71 @@ def test_a_liars_final_cannot_make_us_fall_back_while_a_member_that_waited_for_o
         assert rnd.conform() == [], ours
         deliver(rnd, final(1, landed_without(rnd, LATE)))  # the member that waited for it landed without it
         assert rnd.conform() == [LATE], ours
+
+
+def test_members_judging_one_late_part_follow_the_same_finals():
+    """Member 0 finished without part 2 (its starved reducer's). Member 1 dropped reducer 2
+    as late, reported lacking its part, then got it; reducer 2's own part looks late to it.
+    Both must follow member 0's final: member 1's report says it got the part late, so it
+    counts for neither side (counted as landing the part, it kept reducer 2 from following
+    while member 1 followed: a review's repro)."""
+    late, other = member(LATE), member(1)
+    for rnd in (late, other):
+        hold(rnd, 0, (0, 1))
+        hold(rnd, 1, (0, 1))
+    other.drop(LATE, "timeout:reduced part not received in time")
+    for rnd in (late, other):
+        hold(rnd, LATE, (0, 1, 2))
+    assert late.digests() == other.digests()
+    for rnd in (late, other):
+        deliver(rnd, final(0, landed_without(rnd, LATE)))
+    deliver(late, final(1, landed_without(other, LATE), is_final=False))  # member 1's report
+    assert late.conform() == other.conform() == [LATE]
+
+
+def test_a_reducer_nobody_reached_in_time_follows_the_finals():
+    """Every push to a starved reducer timed out: its part has no contributor but itself. The
+    others' finals still count (a rule counting only the part's contributors left it landing
+    its own values where everyone else fell back)."""
+    for n in (2, 3):
+        rnd = member(n - 1, n=n)
+        others = tuple(range(n - 1))
+        for j in others:
+            hold(rnd, j, others)
+        hold(rnd, n - 1, (n - 1,))
+        for i in others:
+            deliver(rnd, final(i, landed_without(rnd, n - 1)))
+        assert rnd.conform() == [n - 1], n
+
+
+def test_a_lying_reducer_cannot_choose_who_counts_for_each_member():
+    """Of four, member 0 reduced part 0 and sent it late to members 1 and 2 (both dropped it as
+    late), naming member 2 no contributor; member 3 finished without it. Members 1 and 2 have
+    reported lacking the part: they follow member 3's final alike."""
+    rounds = [member(me, n=4) for me in (1, 2)]
+    for rnd in rounds:
+        for j in (1, 2, 3):
+            hold(rnd, j, (0, 1, 2, 3))
+        rnd.drop(0, "timeout:reduced part not received in time")
+        hold(rnd, 0, (0, 1, 3))
+    without = landed_without(rounds[0], 0)
+    for rnd in rounds:
+        deliver(rnd, final(3, without))
+        deliver(rnd, final(1 if rnd.me == 2 else 2, without, is_final=False))
+    assert [rnd.conform() for rnd in rounds] == [[0], [0]]
+
+
+def test_a_liars_final_cannot_outvote_the_reducer_that_landed_its_part():
+    """Part 2 reached member 1 late; its reducer landed it (its final says so), the liar's final
+    says it landed without it: one against one, member 1 keeps the part."""
+    rnd = member(1)
+    for j in (0, 1):
+        hold(rnd, j, (0, 1, 2))
+    rnd.drop(2, "timeout:reduced part not received in time")
+    hold(rnd, 2, (0, 1, 2))
+    deliver(rnd, final(2, rnd.digests()))
+    deliver(rnd, final(0, landed_without(rnd, 2)))
+    assert rnd.conform() == []
 
 
 def test_a_final_is_kept_apart_from_the_report_and_once_per_member():
