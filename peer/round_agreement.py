@@ -128,6 +128,8 @@ class AgreementMixin:
         lands our mean if its report holds it, or if it sent no report yet and the part's
         reducer counted it (a contributor gets the part from its reducer); one whose report
         lacked the part got it late, if at all, and follows the same finals: neither side.
+        We count ourselves as the others count us, by our report (a member that left itself
+        out fell back while the others counted it as landing the part: a review's repro).
         So the finals of members that finished cannot outvote members that will land the
         part: a liar that cut us from its own part (our own part then looks late) and says it
         landed without ours moves nobody while a member that got our part is still on its
@@ -143,6 +145,8 @@ class AgreementMixin:
             elif i != j:
                 report = self.reports.get(i)
                 with_ += i in self.contributors.get(j, ()) if report is None else report[j] == mine
+        if j != self.me and self.reported and self.reported[j] == mine:
+            with_ += 1
         return without, with_
 
     def apart(self) -> list[int]:

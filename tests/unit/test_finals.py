@@ -202,6 +202,32 @@ def test_a_liars_final_cannot_outvote_the_reducer_that_landed_its_part():
     assert rnd.conform() == []
 
 
+def test_a_member_counts_itself_as_the_others_count_it():
+    """Of four, reducer 3 came late to every member (all dropped it at their push deadline);
+    member 1's report held its part, member 2's lacked it; the liar 0 says it landed without
+    it. Member 1 counts its own report as the others count it: it lands the part, as reducer 3
+    and member 2 do (leaving itself out, it fell back alone: a review's repro)."""
+    rounds = {}
+    for me in (1, 2, 3):
+        rnd = member(me, n=4)
+        for j in (0, 1, 2):
+            hold(rnd, j, (0, 1, 2))
+        if me != 3:
+            rnd.drop(3, "timeout:slice not received in time")
+        hold(rnd, 3, (0, 1, 2, 3))
+        rounds[me] = rnd
+    full = rounds[3].digests()
+    reported = {1: full, 2: landed_without(rounds[2], 3), 3: full}
+    for me, rnd in rounds.items():
+        rnd.reported = reported[me]
+        deliver(rnd, final(0, landed_without(rnd, 3)))
+        for other in (1, 2, 3):
+            if other != me:
+                deliver(rnd, final(other, reported[other], is_final=False))
+    assert all(rnd.came_late(3) for rnd in rounds.values())
+    assert [rounds[me].conform() for me in (1, 2, 3)] == [[], [], []]
+
+
 def test_a_final_is_kept_apart_from_the_report_and_once_per_member():
     rnd = late_member(on_time=False)
     first = landed_without(rnd, LATE)
