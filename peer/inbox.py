@@ -16,6 +16,11 @@ peer as well as in total (issue 12, *resource limits*):
   bytes, each item charged ``ITEM_OVERHEAD`` besides its frame, each blame and stream-end
   marker once. One identity gets at most its share: it cannot fill the buffer, though while
   the buffer is full of other peers' groups a new group of its own evicts the oldest one.
+  A peer's frames for a new group, once it holds its share of groups or bytes, evict its own
+  frames from its oldest groups (``_make_room``), not the new ones: a peer whose earlier
+  groups never started here (we did not follow its group record, or suspended it) would
+  otherwise have its frames for the group we do start dropped until those expire, and that
+  round wait for it until the push deadline (seen: 8 s a round). It can only evict itself.
 
 Only asyncio, no I/O of its own besides reading the streams it is handed.
 """
@@ -208,6 +213,7 @@ class PendingFrames:
         if isinstance(item, str) and g is not None and (peer_id, item) in g.notes:
             return True  # this blame is there already
         charge = nbytes + ITEM_OVERHEAD
+        self._make_room(gid, peer_id, charge)
         why = ""
         if g is None or peer_id not in g.by_peer:
             held = sum(1 for other in self._groups.values() if peer_id in other.by_peer)
@@ -234,6 +240,40 @@ class PendingFrames:
         if isinstance(item, str):
             g.notes.add((peer_id, item))
         return True
+
+    def _make_room(self, gid: bytes, peer_id: str, charge: int) -> None:
+        """Drop ``peer_id``'s frames from its oldest buffered groups other than ``gid`` while
+        another group of it (if ``gid`` has none of its frames yet) or ``charge`` more bytes
+        would be over its share."""
+        g = self._groups.get(gid)
+        new = g is None or peer_id not in g.by_peer
+        while True:
+            mine = [other for other, og in self._groups.items() if other != gid and peer_id in og.by_peer]
+            if not mine or not ((new and len(mine) >= self.max_groups_per_peer)
+                                or self.peer_bytes(peer_id) + charge > self.max_bytes_per_peer):
+                return
+            self._drop_peer(mine[0], peer_id)
+
+    def _drop_peer(self, gid: bytes, peer_id: str) -> None:
+        """Forget ``peer_id``'s items in group ``gid`` (the whole group if they are all it has)."""
+        g = self._groups[gid]
+        if all(p == peer_id for p, *_ in g.items):
+            self._evict(gid, "newer_group_of_peer")
+            return
+        n = g.by_peer.pop(peer_id)
+        g.items = [it for it in g.items if it[0] != peer_id]
+        g.nbytes -= n
+        self._bytes -= n
+        left = self.peer_bytes(peer_id) - n
+        if left > 0:
+            self._peer_bytes[peer_id] = left
+        else:
+            self._peer_bytes.pop(peer_id, None)
+        g.notes = {note for note in g.notes if note[0] != peer_id}
+        g.first.pop(peer_id, None)
+        g.truncated.add(peer_id)  # its frames here were dropped by us: no marker blames it short
+        log.info("dropped buffered frames of a peer for its newer group reason=newer_group_of_peer peer=%s group=%s "
+                 "bytes=%d", peer_id, gid.hex(), n)
 
     def note(self, gid: bytes, peer_id: str, item: Any) -> None:
         """Add ``item`` (a marker) once to a group already buffered with frames of ``peer_id``,

@@ -70,10 +70,29 @@ def test_early_frames_are_bounded_by_groups_and_bytes():
     for g in (b"a", b"b", b"c"):  # three groups: the oldest is evicted
         av._on_frame(peer, frame(g * 16))
     assert av.pending.groups() == [b"b" * 16, b"c" * 16]
-    for _ in range(3):  # the byte budget allows one more frame, not three
-        av._on_frame(peer, frame(b"c" * 16))
+    for _ in range(3):  # the byte budget allows one more frame; then the peer's older group gives way
+        av._on_frame(peer, frame(b"c" * 16))  # to its newer one, and then nothing more fits
     assert av.pending.nbytes <= 3 * size
-    assert len(av.pending.items(b"c" * 16)) == 2
+    assert len(av.pending.items(b"c" * 16)) == 3 and av.pending.groups() == [b"c" * 16]
+
+
+def test_a_peers_frames_for_a_new_group_evict_its_own_oldest_groups_not_the_new_frames():
+    """A peer whose earlier groups never started here (we did not follow its record, or we
+    suspended it) still gets its frames for the group we start next buffered: its own oldest
+    frames give way, and only its own (they used to be dropped until those expired, and that
+    round waited for it until the push deadline)."""
+    size = 8 + len(frame(b"x" * 16)) + ITEM_OVERHEAD
+    av = averager()  # 2 of 8 groups per peer, a quarter of the bytes
+    other, peer = SENDER, Identity.from_seed(b"\x0b" * 32)
+    av._on_frame(other.peer_id, frame(b"o" * 16))
+    av._on_frame(peer.peer_id, frame(b"o" * 16, signer=peer))  # also in the other peer's group
+    av._on_frame(peer.peer_id, frame(b"p" * 16, signer=peer))  # a group nobody else is in
+    av._on_frame(peer.peer_id, frame(b"r" * 16, signer=peer))  # the group we will start
+    assert [p for p, *_ in av.pending.items(b"o" * 16)] == [other.peer_id]  # the other peer's frame stays
+    assert av.pending.groups() == [b"o" * 16, b"p" * 16, b"r" * 16]
+    av._on_frame(peer.peer_id, frame(b"s" * 16, signer=peer))
+    assert av.pending.groups() == [b"o" * 16, b"r" * 16, b"s" * 16]
+    assert av.pending.peer_bytes(peer.peer_id) == 2 * size and av.pending.peer_bytes(other.peer_id) == size
 
 
 def test_one_flooding_peer_cannot_crowd_out_an_honest_peers_early_frames():
