@@ -16,8 +16,8 @@ peer as well as in total (issue 12, *resource limits*):
   bytes, each item charged ``ITEM_OVERHEAD`` besides its frame, each blame and stream-end
   marker once. One identity gets at most its share: it cannot fill the buffer, though while
   the buffer is full of other peers' groups a new group of its own evicts the oldest one.
-  A peer's frames for a new group, once it holds its share of groups or bytes, evict its own
-  frames from its oldest groups (``_make_room``), not the new ones: a peer whose earlier
+  A peer's frames for a new group, once it holds its share of groups, evict its own frames
+  from its oldest group (``_make_room``), not the new ones: a peer whose earlier
   groups never started here (we did not follow its group record, or suspended it) would
   otherwise have its frames for the group we do start dropped until those expire, and that
   round wait for it until the push deadline (seen: 8 s a round). It can only evict itself.
@@ -213,7 +213,7 @@ class PendingFrames:
         if isinstance(item, str) and g is not None and (peer_id, item) in g.notes:
             return True  # this blame is there already
         charge = nbytes + ITEM_OVERHEAD
-        self._make_room(gid, peer_id, charge)
+        self._make_room(gid, peer_id)
         why = ""
         if g is None or peer_id not in g.by_peer:
             held = sum(1 for other in self._groups.values() if peer_id in other.by_peer)
@@ -241,18 +241,16 @@ class PendingFrames:
             g.notes.add((peer_id, item))
         return True
 
-    def _make_room(self, gid: bytes, peer_id: str, charge: int) -> None:
-        """Drop ``peer_id``'s frames from its oldest buffered groups other than ``gid`` while
-        another group of it (if ``gid`` has none of its frames yet) or ``charge`` more bytes
-        would be over its share."""
+    def _make_room(self, gid: bytes, peer_id: str) -> None:
+        """If group ``gid`` holds no frames of ``peer_id`` yet and it holds its share of groups,
+        drop its frames from its oldest groups until it holds one fewer. (Its bytes are left as
+        they are: a peer's frames for two groups at once, two fragments, are both wanted.)"""
         g = self._groups.get(gid)
-        new = g is None or peer_id not in g.by_peer
-        while True:
-            mine = [other for other, og in self._groups.items() if other != gid and peer_id in og.by_peer]
-            if not mine or not ((new and len(mine) >= self.max_groups_per_peer)
-                                or self.peer_bytes(peer_id) + charge > self.max_bytes_per_peer):
-                return
-            self._drop_peer(mine[0], peer_id)
+        if g is not None and peer_id in g.by_peer:
+            return
+        mine = [other for other, og in self._groups.items() if peer_id in og.by_peer]
+        for other in mine[:max(0, len(mine) - self.max_groups_per_peer + 1)] if self.max_groups_per_peer else ():
+            self._drop_peer(other, peer_id)
 
     def _drop_peer(self, gid: bytes, peer_id: str) -> None:
         """Forget ``peer_id``'s items in group ``gid`` (the whole group if they are all it has)."""
