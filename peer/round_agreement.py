@@ -127,7 +127,8 @@ class AgreementMixin:
         one not finished (its reducer aside, which lands its own part unless it too conforms)
         lands our mean if its report holds it, or if it sent no report yet and the part's
         reducer counted it (a contributor gets the part from its reducer); one whose report
-        lacked the part got it late, if at all, and follows the same finals: neither side.
+        lacked the part got it late, if at all, and follows the same finals: neither side;
+        nor does one our report could not reach (gone).
         We count ourselves as the others count us, by our report (a member that left itself
         out fell back while the others counted it as landing the part: a review's repro).
         So the finals of members that finished cannot outvote members that will land the
@@ -142,7 +143,7 @@ class AgreementMixin:
             if final is not None:
                 without += not final[j]
                 with_ += final[j] == mine
-            elif i != j:
+            elif i != j and i not in self.gone:  # (one our report could not reach has left, crashed)
                 report = self.reports.get(i)
                 with_ += i in self.contributors.get(j, ()) if report is None else report[j] == mine
         if j != self.me and self.reported and self.reported[j] == mine:

@@ -228,6 +228,16 @@ def test_a_member_counts_itself_as_the_others_count_it():
     assert [rounds[me].conform() for me in (1, 2, 3)] == [[], [], []]
 
 
+def test_a_contributor_our_report_could_not_reach_does_not_hold_us_back():
+    """Member 1 pushed to us, then left (our report could not reach it); member 0 finished
+    without our late part: we follow member 0."""
+    rnd = late_member(on_time=False)
+    deliver(rnd, final(0, landed_without(rnd, LATE)))
+    assert rnd.conform() == []  # member 1 may still land it
+    rnd.gone.add(1)
+    assert rnd.conform() == [LATE]
+
+
 def test_a_final_is_kept_apart_from_the_report_and_once_per_member():
     rnd = late_member(on_time=False)
     first = landed_without(rnd, LATE)
