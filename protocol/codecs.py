@@ -238,6 +238,19 @@ class Codec(abc.ABC):
         inf when a value saturated (the input may have been anything beyond the range).
         Invalid bytes raise RemoteProtocolError, as ``decode`` does."""
 
+    def element_bounds(self, data: Buffer, numel: int) -> torch.Tensor:
+        """Per element (float64), how far an input encoded as ``data`` may lie from what it
+        decodes to, once clamped to the codec's range (``max_value``, if it has one: a raw
+        codec's saturated value is then exact). ``protocol.audit`` compares element by element,
+        so a lie cannot spend the whole part's rounding on a few values."""
+        raise NotImplementedError
+
+    def block_scales(self, data: Buffer, numel: int) -> tuple[torch.Tensor, int, float, float, float] | None:
+        """For a codec with block scales: (the scales, float64; elements per block; the divisor
+        an encoder takes a block's absmax by; the relative rounding of a scale, with room; the
+        largest scale, at which an encoder clamps). None for a raw codec."""
+        return None
+
 
 
 class _RawCodec(Codec):
@@ -282,6 +295,9 @@ class _RawCodec(Codec):
         if numel and float(v.max()) >= self.max_value:
             return math.inf
         return float(torch.linalg.vector_norm(v.mul_(self.rel_error).add_(self.abs_error)))
+
+    def element_bounds(self, data: Buffer, numel: int) -> torch.Tensor:
+        return self.decode(data, numel).double().abs_().mul_(self.rel_error).add_(self.abs_error)
 
 
 class Fp32Codec(_RawCodec):
@@ -357,6 +373,19 @@ class Int8Codec(Codec):
             counts[-1] = numel % INT8_BLOCK
         per = scales.double() * top.div_(127.0) * 0.5 + _TINY_ERROR
         return math.sqrt(float((counts * per * per).sum()))
+
+    def element_bounds(self, data: Buffer, numel: int) -> torch.Tensor:
+        """``error_bound``'s terms, one per element."""
+        scales, q = self._parse(data, numel)
+        out = torch.empty(numel, dtype=torch.float64)
+        for e0, b0, rows, cols in _pieces(numel, INT8_BLOCK):
+            qr = q[e0 : e0 + rows * cols].view(rows, cols)
+            per = scales.double()[b0 : b0 + rows] * qr.abs().amax(1).double().div_(127.0) * 0.5 + _TINY_ERROR
+            out[e0 : e0 + rows * cols].view(rows, cols).copy_(per[:, None].expand(rows, cols))
+        return out
+
+    def block_scales(self, data: Buffer, numel: int) -> tuple[torch.Tensor, int, float, float, float]:
+        return self._parse(data, numel)[0].double(), INT8_BLOCK, 127.0, 2.0**-20, _INT8_SCALE_MAX  # fp32 division
 
     def decode(self, data: Buffer, numel: int) -> torch.Tensor:
         scales, q = self._parse(data, numel)
@@ -461,6 +490,20 @@ class Fp4Codec(Codec):
             per = _FP4_HALF_GAPS[codes].mul_(scale[:, None]).add_(_TINY_ERROR)
             total += float(per.square_().sum())
         return math.sqrt(total)
+
+    def element_bounds(self, data: Buffer, numel: int) -> torch.Tensor:
+        """``error_bound``'s terms, one per element."""
+        scales, packed = self._parse(data, numel)
+        out = torch.empty(numel, dtype=torch.float64)
+        for e0, b0, rows, cols in _pieces(numel, FP4_BLOCK):
+            byts = packed[e0 // 2 : e0 // 2 + _ceil_div(rows * cols, 2)]
+            codes = torch.stack([byts & 15, byts >> 4], 1).view(-1)[: rows * cols].long().view(rows, cols)
+            scale = scales.double()[b0 : b0 + rows].mul_(_FP4_MAGNITUDES[codes].amax(1).div_(6.0))
+            out[e0 : e0 + rows * cols].view(rows, cols).copy_(_FP4_HALF_GAPS[codes].mul_(scale[:, None]).add_(_TINY_ERROR))
+        return out
+
+    def block_scales(self, data: Buffer, numel: int) -> tuple[torch.Tensor, int, float, float, float]:
+        return self._parse(data, numel)[0].double(), FP4_BLOCK, 6.0, 2.0**-8, _FP4_SCALE_MAX  # bf16 RNE: 2^-9
 
     def decode(self, data: Buffer, numel: int) -> torch.Tensor:
         scales, packed = self._parse(data, numel)

@@ -94,7 +94,7 @@ def test_an_honest_reducers_mean_follows_from_its_inputs(codec, clip):
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(2, 5), per=st.integers(1, 700), codec=st.sampled_from(["fp32", "fp16", "int8", "fp4"]),
+@given(n=st.integers(2, 5), per=st.integers(1, 700), codec=st.sampled_from(["fp32", "fp16", "bf16", "int8", "fp4"]),
        clip=st.sampled_from([0.0, 1.0, 2.0, 5.0]), spread=st.floats(1e-3, 1e3), seed=st.integers(0, 2**16),
        step=st.sampled_from([256, 512]))
 @example(n=2, per=378, codec="fp4", clip=0.0, spread=1.84375, seed=378, step=256)  # one block's scale a step
@@ -115,6 +115,35 @@ def _another_members(mean, vectors):
 
 def _shifted(mean, _vectors):
     return mean + 0.3 * mean.norm() / mean.numel() ** 0.5
+
+
+def _scaled(mean, _vectors):
+    return mean * 1.1
+
+
+def _largest_negated(mean, _vectors):
+    out = mean.clone()
+    top = mean.abs().topk(4).indices
+    out[top] = -out[top]
+    return out
+
+
+def _negated_one_saturated(mean, _vectors):
+    out = -mean
+    out[0] = torch.finfo(torch.float32).max  # clamped to the codec's range when encoded
+    return out
+
+
+@pytest.mark.parametrize("lie", [_scaled, _largest_negated, _negated_one_saturated])
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8", "fp4"])
+def test_a_lie_cannot_hide_in_the_codecs_rounding(lie, codec):
+    """Each value of the mean is allowed its own code's rounding, and each block scale its own,
+    not one budget for the whole part: with that budget (the codec's error bound) an fp4 mean
+    x1.1 or with its 4 largest values negated passed, and with fp16 or bf16 any mean with one
+    saturated value (its bound is infinite)."""
+    means, shown, _ = reduce_and_audit(_vectors(4, 4 * 1000, seed=3), codec, (1.0,) * 4, 2.0, 256, lie)
+    verdict, _, why = check(means, shown, RUN, 2.0)
+    assert verdict == WRONG, why
 
 
 @pytest.mark.parametrize("lie", [_negate, _another_members, _shifted])
