@@ -25,7 +25,7 @@ from hypothesis import settings
 # In CI (``CI`` set, as .ci/run does), the same examples every run: a counterexample that random
 # exploration finds is a bug to fix, but on a developer's run, not as a CI run that fails for a
 # change that did not touch it (a run here found an honest fp4 mean that the audit refused)
-settings.register_profile("swarmstream", deadline=None, derandomize=bool(os.environ.get("CI")))
+settings.register_profile("swarmstream", deadline=None, derandomize=os.environ.get("CI", "").lower() not in ("", "0", "false"))
 settings.load_profile("swarmstream")
 
 # One torch thread in the test processes: the two workers share the cores with the swarm tests'

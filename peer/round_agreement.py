@@ -128,7 +128,7 @@ class AgreementMixin:
         lands our mean if its report holds it, or if it sent no report yet and the part's
         reducer counted it (a contributor gets the part from its reducer); one whose report
         lacked the part got it late, if at all, and follows the same finals: neither side;
-        nor does one our report could not reach (gone).
+        nor does a contributor that sent no report and our report could not reach (gone).
         We count ourselves as the others count us, by our report (a member that left itself
         out fell back while the others counted it as landing the part: a review's repro).
         So the finals of members that finished cannot outvote members that will land the
@@ -143,9 +143,12 @@ class AgreementMixin:
             if final is not None:
                 without += not final[j]
                 with_ += final[j] == mine
-            elif i != j and i not in self.gone:  # (one our report could not reach has left, crashed)
+            elif i != j:
                 report = self.reports.get(i)
-                with_ += i in self.contributors.get(j, ()) if report is None else report[j] == mine
+                if report is not None:
+                    with_ += report[j] == mine
+                elif i not in self.gone:  # (one our report could not reach, and that sent none, left)
+                    with_ += i in self.contributors.get(j, ())
         if j != self.me and self.reported and self.reported[j] == mine:
             with_ += 1
         return without, with_
