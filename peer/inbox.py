@@ -21,6 +21,9 @@ peer as well as in total (issue 12, *resource limits*):
   groups never started here (we did not follow its group record, or suspended it) would
   otherwise have its frames for the group we do start dropped until those expire, and that
   round wait for it until the push deadline (seen: 8 s a round). It can only evict itself.
+  The evicted group takes no more frames of that peer (a bounded memory of such pairs): it
+  would come back partial, evict the newer group in turn, and take a stream-end marker that
+  drops the sender as short when the round starts (a review's repro).
 
 Only asyncio, no I/O of its own besides reading the streams it is handed.
 """
@@ -180,6 +183,7 @@ class PendingFrames:
         self.max_groups, self.max_bytes, self.ttl_s = max_groups, max_bytes, ttl_s
         self.max_groups_per_peer, self.max_bytes_per_peer = max_groups_per_peer, max_bytes_per_peer
         self._groups: OrderedDict[bytes, _Group] = OrderedDict()
+        self._cut: OrderedDict[tuple[bytes, str], None] = OrderedDict()  # (group, peer) dropped for a newer group
         self._bytes = 0
         self._peer_bytes: dict[str, int] = {}
 
@@ -212,6 +216,9 @@ class PendingFrames:
         g = self._groups.get(gid)
         if isinstance(item, str) and g is not None and (peer_id, item) in g.notes:
             return True  # this blame is there already
+        if (gid, peer_id) in self._cut:  # its frames here gave way to a newer group of it: the rest too
+            log.info("frame for an unknown group dropped reason=older_group_of_peer peer=%s bytes=%d", peer_id, nbytes)
+            return False  # (the group must not come back partial and evict the newer one in turn)
         charge = nbytes + ITEM_OVERHEAD
         self._make_room(gid, peer_id)
         why = ""
@@ -253,7 +260,11 @@ class PendingFrames:
             self._drop_peer(other, peer_id)
 
     def _drop_peer(self, gid: bytes, peer_id: str) -> None:
-        """Forget ``peer_id``'s items in group ``gid`` (the whole group if they are all it has)."""
+        """Forget ``peer_id``'s items in group ``gid`` (the whole group if they are all it has),
+        and refuse its later ones there (``add``, ``note``)."""
+        self._cut[(gid, peer_id)] = None
+        while len(self._cut) > 4 * max(1, self.max_groups):
+            self._cut.popitem(last=False)
         g = self._groups[gid]
         if all(p == peer_id for p, *_ in g.items):
             self._evict(gid, "newer_group_of_peer")
@@ -277,7 +288,8 @@ class PendingFrames:
         """Add ``item`` (a marker) once to a group already buffered with frames of ``peer_id``,
         unless some of those frames were dropped here at a limit."""
         g = self._groups.get(gid)
-        if g is None or peer_id not in g.by_peer or peer_id in g.truncated or (peer_id, item) in g.notes:
+        if g is None or peer_id not in g.by_peer or peer_id in g.truncated or (peer_id, item) in g.notes \
+                or (gid, peer_id) in self._cut:
             return
         if self._bytes + ITEM_OVERHEAD > self.max_bytes:
             return
@@ -320,6 +332,7 @@ class PendingFrames:
 
     def clear(self) -> None:
         self._groups.clear()
+        self._cut.clear()
         self._bytes = 0
         self._peer_bytes.clear()
 

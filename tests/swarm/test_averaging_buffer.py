@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from peer.allreduce import Averager, chunk_elements
-from peer.inbox import ITEM_OVERHEAD, FrameTooLarge, read_frame
+from peer.inbox import ITEM_OVERHEAD, FrameTooLarge, PendingFrames, StreamEnded, read_frame
 from peer.outbox import ACK, MAX_UNREAD_ACKS
 from protocol.envelope import seal
 from protocol.identity import Identity
@@ -107,7 +107,8 @@ def test_one_flooding_peer_cannot_crowd_out_an_honest_peers_early_frames():
         av._on_frame(liar.peer_id, frame(bytes([k]) * 16, signer=liar))
         av._on_frame(liar.peer_id, frame(b"h" * 16, signer=liar))  # also into the honest peer's group
     assert b"h" * 16 in av.pending.groups() and av.pending.peer_bytes(honest.peer_id) == size
-    assert len(av.pending.groups()) <= 2  # the honest peer's group, and one of the liar's
+    liars = [g for g in av.pending.groups() if liar.peer_id in {p for p, *_ in av.pending.items(g)}]
+    assert len(liars) <= 2 and len(av.pending.groups()) <= 3  # the honest peer's group, and the liar's share
     assert 0 < av.pending.peer_bytes(liar.peer_id) <= av.pending.max_bytes // 4
     av._on_frame(honest.peer_id, frame(b"i" * 16))  # honest frames still find room
     assert av.pending.peer_bytes(honest.peer_id) == 2 * size
@@ -180,6 +181,25 @@ def test_a_sender_that_does_not_read_its_acknowledgements_gets_its_stream_closed
         assert w.closed and w.acks == ACK and len(r._buffer) > 0
 
     asyncio.run(main())
+
+
+def test_a_group_that_gave_way_to_a_newer_one_takes_no_more_of_its_frames():
+    """A peer writing chunks of three groups in turn, with a share of two: its first group gives
+    way to the third and stays out (its later chunks and its stream's end are refused), so it
+    cannot come back partial, evict the next group in turn, and take a marker that would drop
+    the sender as short when the round starts."""
+    pending = PendingFrames(max_groups=8, max_bytes=1 << 20, max_groups_per_peer=2, max_bytes_per_peer=1 << 20,
+                            ttl_s=60.0)
+    groups = [bytes([k]) * 16 for k in range(3)]
+    for chunk in range(3):
+        for g in groups:
+            pending.add(g, "p", ("chunk", chunk), 100)
+    for g in groups:
+        pending.note(g, "p", StreamEnded(PushSlice))
+    assert pending.groups() == groups[1:]
+    for g in groups[1:]:
+        assert [item for _, item, *_ in pending.items(g)] == [("chunk", 0), ("chunk", 1), ("chunk", 2),
+                                                              StreamEnded(PushSlice)]
 
 
 def test_early_frames_expire_and_unverifiable_ones_are_never_buffered():
