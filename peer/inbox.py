@@ -158,6 +158,10 @@ class StreamEnded:
     """The part its frames were of (a ``PushSlice`` to a witness is of its sender's own part)."""
 
 
+MAX_CUT = 4096
+"""(group, peer) pairs remembered as evicted for the peer's newer group (``PendingFrames._cut``):
+at most twice its share of groups per peer, this many in all."""
+
 ITEM_OVERHEAD = 512
 """Bytes charged per buffered item besides its frame: a blame or a marker is not free."""
 
@@ -263,7 +267,10 @@ class PendingFrames:
         """Forget ``peer_id``'s items in group ``gid`` (the whole group if they are all it has),
         and refuse its later ones there (``add``, ``note``)."""
         self._cut[(gid, peer_id)] = None
-        while len(self._cut) > 4 * max(1, self.max_groups):
+        mine = [key for key in self._cut if key[1] == peer_id]  # a few per peer: one peer's made-up
+        for key in mine[:max(0, len(mine) - 2 * max(1, self.max_groups_per_peer))]:  # groups must not push
+            del self._cut[key]  # another's out
+        while len(self._cut) > MAX_CUT:
             self._cut.popitem(last=False)
         g = self._groups[gid]
         if all(p == peer_id for p, *_ in g.items):
