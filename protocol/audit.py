@@ -13,14 +13,15 @@ by them, and its own.
 computes it (each contribution scaled to ``clip`` x the lower median norm, weighted by its
 share), and compares with what the reducer signed, decoded:
 
-- ``OK``: the mean follows from the inputs: it lies within the codec's error bound of the
-  signed bytes (``Codec.error_bound``: how far any value with that encoding may be from what
-  it decodes to) of the recomputed mean, plus ``TOLERANCE`` of the contributions' scale (an
-  honest reducer's mean differs from ours only by the order of its float additions). Encoding
-  the recomputed mean again and comparing the bytes is not a check: a last-bit difference in
-  a block's largest value can move the block's scale by one step and a value across the
-  midpoint between two codes, a whole code step (an honest fp4 mean was found "1.12 away"
-  with a bound of about 0.5 that way);
+- ``OK``: the mean follows from the inputs: each of its values lies within its own code's
+  rounding (``Codec.element_bounds``) of the recomputed mean, and each block scale within its
+  rounding of the recomputed block's (``Codec.block_scales``), but for excesses within
+  ``TOLERANCE`` of the contributions' scale (an honest reducer's mean differs from ours only
+  by the order of its float additions; ``_beyond_rounding``). Encoding the recomputed mean
+  again and comparing the bytes is not a check: a last-bit difference in a block's largest
+  value can move the block's scale by one step and a value across the midpoint between two
+  codes, a whole code step (an honest fp4 mean was found "1.12 away" with a bound of about
+  0.5 that way);
 - ``WRONG``: the inputs match the commitment and the mean does not follow from them. The
   frames prove it to anyone (``peer.bans`` keeps them): the reducer signed both, and the
   pushes are signed by their senders, so nobody else can make such a set. A contributor
@@ -63,7 +64,7 @@ ones the mean commits to. An answer cut short says it too; one that covered the 
 shuts the reducer out for good."""
 TOLERANCE = 0.02
 """A signed mean further than this x the sum of the weighted, clipped contributions' norms,
-beyond its codec's error bound, from the recomputed one is wrong. An honest mean is within
+beyond its rounding (``_beyond_rounding``), from the recomputed one is wrong. An honest mean is within
 float rounding (~1e-7) of it before it is encoded."""
 
 
