@@ -32,10 +32,10 @@ module holds the state, the waiters' questions and our own reduction. Three phas
    of CPU, busy with its previous round) may produce its part only after the others landed
    without it; it then holds a part they fell back on. Before it lands, it falls back on a
    part it holds when its reducer came late as it saw it and more members landed without the
-   part than landed it or will (a member not finished that holds it, or that the reducer
-   counted and has not reported: ``conform``). So the first finishers' decision stands, and the later ones follow it. A
-   single member's final cannot make another fall back on a part that came on time, nor
-   outvote an honest member that landed the part or has yet to land it.
+   part than landed it or will (``conform``). So the first finishers' decision stands, and
+   the later ones follow it. A single member's final cannot make another fall back on a part
+   that came on time, nor outvote an honest member that landed the part or, other than the
+   part's reducer, has yet to land it.
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ by them, and its own.
 computes it (each contribution scaled to ``clip`` x the lower median norm, weighted by its
 share), and compares with what the reducer signed, decoded:
 
-- ``OK``: the mean follows from the inputs: each of its values lies within its own code's
+- ``OK``: the mean follows from the inputs. Each of its values lies within its own code's
   rounding (``Codec.element_bounds``) of the recomputed mean, and each block scale within its
-  rounding of the recomputed block's (``Codec.block_scales``), but for excesses within
-  ``TOLERANCE`` of the contributions' scale (an honest reducer's mean differs from ours only
-  by the order of its float additions; ``_beyond_rounding``). Encoding the recomputed mean
-  again and comparing the bytes is not a check: a last-bit difference in a block's largest
+  rounding of the recomputed block's (``Codec.block_scales``); what lies beyond those (an
+  honest reducer's only by the order of its float additions) is within ``TOLERANCE`` of the
+  contributions' scale (``_beyond_rounding``). Encoding the recomputed mean again and
+  comparing under ``TOLERANCE`` alone is not a check: a last-bit difference in a block's largest
   value can move the block's scale by one step and a value across the midpoint between two
   codes, a whole code step (an honest fp4 mean was found "1.12 away" with a bound of about
   0.5 that way);
@@ -63,9 +63,9 @@ ones the mean commits to. An answer cut short says it too; one that covered the 
 (``peer.audit`` knows) is no proof others can check, but no crash does that, and the auditor
 shuts the reducer out for good."""
 TOLERANCE = 0.02
-"""A signed mean further than this x the sum of the weighted, clipped contributions' norms,
-beyond its rounding (``_beyond_rounding``), from the recomputed one is wrong. An honest mean is within
-float rounding (~1e-7) of it before it is encoded."""
+"""A signed mean is wrong when what lies beyond its rounding (``_beyond_rounding``) is more
+than this x the sum of the weighted, clipped contributions' norms. An honest mean is within
+float rounding (~1e-7) of the recomputed one before it is encoded."""
 
 
 def contribution_digest(key: bytes, weight: float, chunks: Iterable[tuple[int, int, bytes]]) -> bytes:
