@@ -107,7 +107,7 @@ from peer.allreduce_round import Round
 from peer.allreduce_send import SendMixin, encode_chunks
 from peer.allreduce_wait import WaitMixin
 from peer.audit import Audits
-from peer.inbox import PendingFrames, StreamEnded, StreamGate
+from peer.inbox import PendingFrames, StreamEnded, StreamGate, keep_recent
 from peer.quiet import DEADLINE_DROP, MEANS_DROP, QUIET_PUSH, QuietMembers
 from peer.ratelimit import RateLimiter
 from protocol.butterfly import HEAD_ROOM, chunk_elements
@@ -125,7 +125,7 @@ HANDLER_PREFIX = "swarmstream-avg-v8-"  # v2: acknowledged frames (peer.outbox);
 # slice, encoded, to two members; SliceAveraged.own, PartsHeld.witness)
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
 AGREE_GRACE = 1.0  # reports and forwarded parts by (1 + AGREE_GRACE) * deadline_s
-_RECENT_ROUNDS = 4  # finished rounds whose parts we still forward to a member that reports lacking one
+_RECENT_SPAN = 2  # finished rounds are kept this many agreement windows (2.5 D) for late reports (keep_recent)
 _FINISHED_MEMORY = 1024  # group IDs of finished rounds whose late frames we drop quietly
 
 
@@ -370,9 +370,9 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
             # from here a report for this group is answered from the finished rounds' parts
             self._active.pop(gid, None)
             self._finished.append(gid)
+            rnd.keep_until = loop.time() + _RECENT_SPAN * (1 + RESULT_GRACE + AGREE_GRACE) * group.deadline_s
             self._recent[gid] = rnd
-            while len(self._recent) > _RECENT_ROUNDS:
-                self._recent.popitem(last=False)
+            keep_recent(self._recent, loop.time())
             for t in tasks:
                 t.cancel()
             if tasks:
@@ -396,7 +396,8 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         offences, rnd.offences = tuple(rnd.offences.values()), {}  # the round is kept a while: not its evidence
         self.audits.hand_on(rnd, offences)
         self.audits.spread(rnd)
-        return AllReduceOutcome(rnd.result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
+        result, rnd.result = rnd.result, rnd.result.new_empty(0)  # a finished round kept a while needs its frames
+        return AllReduceOutcome(result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, landing.partial, tuple(sorted(rnd.repaired)),
                                 rnd.settled() and not landing.disputed and not rnd.apart() and self._finals_in(rnd, conformed)
                                 and not rnd.undelivered,

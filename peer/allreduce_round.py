@@ -198,6 +198,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         self.early = False  # we had heard from no other member as our agreement began (took_part)
         self.bytes_received = 0
         self.sent = [0]  # bytes, added to by every send of this round
+        self.keep_until = math.inf  # (monotonic) kept to answer late reports until then (``inbox.keep_recent``)
         self.tasks: list[asyncio.Task[Any]] = []  # this round's sends
         # forwards of parts members reported lacking, (member, part, send): one not acknowledged by
         # the round's end may leave that member falling back on a part we land: not agreed
@@ -350,7 +351,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         if not self.committed:
             self.push_frames.clear()
             self.own_chunks, self.own_frames = [], []
-        self.vector = self.vector[:0]
+        self.vector = self.vector.new_empty(0)  # (a view would keep all of it)
         self.tasks = []
 
     def reduce(self) -> tuple[torch.Tensor, tuple[int, ...], float]:

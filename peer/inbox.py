@@ -365,3 +365,32 @@ class PendingFrames:
         self._release(g)
         log.info("dropped buffered frames reason=%s group=%s frames=%d bytes=%d", why, gid.hex(), len(g.items),
                  g.nbytes)
+
+
+RECENT_ROUNDS = 4  # finished rounds always kept to answer a late member's report (``keep_recent``)
+RECENT_BYTES = 256 << 20  # and more of them, within their time, while their frames take no more than this
+
+
+def keep_recent(recent: OrderedDict[bytes, Any], now: float) -> None:
+    """Forget the oldest finished rounds (``recent``, oldest first; ``peer.allreduce_round.Round``)
+    beyond the newest ``RECENT_ROUNDS`` once past their ``keep_until`` (two agreement windows
+    after they finished), or while the frames kept take more than ``RECENT_BYTES``. A member
+    late to a round reports when it gets there: after a wait in a group nobody else joined,
+    that is up to a window after we finished, and a swarm of small fragments finishes many
+    rounds meanwhile (CI: a starved member came 9 s after its group had landed, four of the
+    others' rounds later; nobody answered its report, and it landed apart)."""
+    held = {gid: _held_bytes(r) for gid, r in recent.items()}
+    total = sum(held.values())
+    while len(recent) > RECENT_ROUNDS:
+        gid, oldest = next(iter(recent.items()))
+        if now <= oldest.keep_until and total <= RECENT_BYTES:
+            return
+        total -= held.pop(gid)
+        del recent[gid]
+
+
+def _held_bytes(rnd: Any) -> int:
+    """Bytes of the signed frames a finished round keeps: its parts, and an audit's inputs."""
+    frames = [*(f for fs in rnd.frames.values() for f in fs), *rnd.own_frames,
+              *([d] for fs in rnd.push_frames.values() for *_, d in fs)]
+    return sum(len(b) for f in frames for b in f)

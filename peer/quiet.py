@@ -56,7 +56,7 @@ cut from that reaches us after the cut, in the round or after we finished it, co
 slice and passes the checks (``Round.valid_late_push``: it was late, not gone; an honest member
 that fell behind would otherwise be cut from every round and never catch the group's pace
 again; a bogus late frame cleared a ghost's mark, and one valid chunk of many would clear it
-for a few bytes). Only the last few finished rounds (``_RECENT_ROUNDS``)
+for a few bytes). Only the finished rounds kept (``peer.inbox.keep_recent``)
 can check such a push: one that comes later clears nothing. A
 key that pushes in some rounds and is silent in the others costs a full deadline once every
 ``CLEAR_AFTER + 1`` rounds, and pushes (honest data, screened as anyone's) in the rest.

@@ -3,9 +3,14 @@ before its part existed falls back on that part as they did, and a member's fina
 make another fall back on a part that came on time. No network: frames go from the test to
 a Round by hand."""
 
+from collections import OrderedDict
+from types import SimpleNamespace
+
 import torch
 
+from peer import inbox
 from peer.allreduce import Group
+from peer.inbox import keep_recent
 from peer.allreduce_round import Round
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
@@ -292,3 +297,31 @@ def test_one_members_report_cannot_make_a_reducer_on_its_way_look_late():
     for i in (1, 2):  # part 3 held alike by two members: its reducer sent it to them, not (yet) to us
         told(honest, i, (b"", b"", b"", b"\x33" * 32))
     assert 3 in honest.held_since
+
+
+WINDOW = 2 * 2.5 * 5.0  # two agreement windows of a 5 s deadline
+
+
+def _finished(at: float, nbytes: int = 1000) -> SimpleNamespace:
+    """A finished round as ``keep_recent`` sees it: until when it is kept, its frames."""
+    return SimpleNamespace(keep_until=at + WINDOW, frames={0: [[b"h", b"x" * (nbytes - 1)]]}, own_frames=[],
+                           push_frames={2: [(0, 5, b"d", b"y" * 10)]})
+
+
+def test_finished_rounds_are_kept_for_a_late_members_report_by_time_not_by_count(monkeypatch):
+    """A member that waited in a group nobody joined reports for its next round up to an
+    agreement window (2.5 D) after the others finished it; a swarm of small fragments finishes
+    many rounds meanwhile. The rounds finished within two windows are kept to answer it (CI: a
+    starved member came 9 s late, four rounds later, got no answer and landed apart), the
+    newest four whatever their age, and no more than ``RECENT_BYTES`` of frames."""
+    recent = OrderedDict((bytes([i]), _finished(at=i / 2)) for i in range(40))  # two rounds a second
+    keep_recent(recent, now=20.0)
+    assert len(recent) == 40  # all within 25 s
+    keep_recent(recent, now=2.0 + WINDOW + 0.25)  # rounds 0-4 finished more than a window ago
+    assert list(recent) == [bytes([i]) for i in range(5, 40)]
+    keep_recent(recent, now=1000.0)  # long ago: the newest four are still kept
+    assert list(recent) == [bytes([i]) for i in range(36, 40)]
+    monkeypatch.setattr(inbox, "RECENT_BYTES", 10_100)
+    recent = OrderedDict((bytes([i]), _finished(at=i / 2)) for i in range(40))
+    keep_recent(recent, now=20.0)
+    assert list(recent) == [bytes([i]) for i in range(30, 40)]  # 10 rounds of 1010 bytes
