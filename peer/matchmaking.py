@@ -37,7 +37,7 @@ groups. Nobody has to *agree* through the DHT beyond that: members follow the on
 record their leader wrote, so each group has exactly one member list and order. Why nobody
 hangs: every wait for a leader's record ends at ``join time + T``; a group whose leader wrote
 none by then goes on without it, its member ranked next leading, which ends a batch's span, a
-gap, a settle time and two polls later at most (``_without_leader``). If views differ (a store that landed late), two
+gap, a settle time and two polls later at most (``peer.matchmaking_leader``). If views differ (a store that landed late), two
 leaders may name the same peer; it follows its own leader's record, or the one its fresh read
 of the joins confirms, ranked first (the same rule on every peer), and the other group's
 all-reduce drops the missing member at its deadline. A peer
@@ -108,6 +108,7 @@ from hivemind.utils import get_dht_time
 from peer.allreduce import Group
 from peer.batches import assign_groups, batch_of, group_id_of, groups_key, joins_key, rank, round_seed
 from peer.distrust import Distrust
+from peer.matchmaking_leader import FORMATION_MARGIN_S, LeaderlessMixin
 from peer.matchmaking_phase import PhaseMixin
 from protocol.butterfly import max_idle
 from protocol.envelope import seal, verify
@@ -127,7 +128,6 @@ SETTLE_FRACTION = 0.1  # of matchmaking_timeout_s, at most SETTLE_MAX_S: for lat
 SETTLE_MAX_S = 2.0
 JOIN_TTL_FACTOR = 2.0  # joins outlive every window they can be part of
 CLOCK_SKEW_S = 30.0
-FORMATION_MARGIN_S = 1.0  # for the DHT round trips of forming a group, on top of the windows
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +137,7 @@ class _Join:
     joined_at: float
 
 
-class Matchmaker(PhaseMixin):
+class Matchmaker(PhaseMixin, LeaderlessMixin):
     """Forms this peer's averaging groups for one run. Call ``form_group`` from the event loop
     that runs ``dht`` (see the module docstring for the scheme)."""
 
@@ -288,59 +288,6 @@ class Matchmaker(PhaseMixin):
             log.warning("could not store our GroupFormed fragment=%d round=%d", fragment, round)
         return formed
 
-    async def _without_leader(self, fragment: int, round: int, numel: int, codec: str, seed: bytes,
-                              mine: tuple[bytes, ...], joins: dict[bytes, _Join],
-                              now: Callable[[], float]) -> GroupFormed | None:
-        """Our group's leader wrote no record we could follow by our deadline (it left, or it is
-        a key that joins every round and leads none: no record, or one we refuse): the rest of
-        the group averages without it. Until the last member's deadline (``latest``) the
-        leader's record is still followed should it come; then the member ranked next of those
-        its records did not take (a record names a member with the weight it joined with: that
-        member follows it) writes the record of the others, as their leader, and they look for
-        it until a settle time, a gap and two polls later, taking it only if it names members of
-        our group with the weights they joined with (a second key gets no more say than that).
-        Followers used to average alone there: a key ranked first in about one group in k left
-        its followers apart (different copies, then downloads) every time. Before our deadline
-        nothing changes, so an honest leader that is slow, not gone, is followed as before."""
-        me, leader, own = self.identity.public_key, mine[0], joins[self.identity.public_key]
-        latest = max(joins[k].joined_at for k in mine) + self.swarm.matchmaking_timeout_s
-        while now() < latest:  # a member whose deadline is later still follows the leader's record
-            found = await self._mine(fragment, round, numel, codec, seed, own, leader, now)
-            if found is not None:
-                return found
-            await asyncio.sleep(min(self.poll_s, max(0.0, latest - now())))
-        led = [f for f in await self._read_groups(fragment, round, numel, codec, seed) if f.members[0] == leader]
-        for f in led:  # one read for both: a record that landed since our last look is followed, not raced
-            if me in f.members and f.weights[f.members.index(me)] == own.weight and leader not in self.distrusted:
-                return f
-        taken = {k for f in led for k, w in zip(f.members, f.weights) if k in joins and joins[k].weight == w}
-        rest = tuple(k for k in mine[1:] if k not in taken)
-        if me not in rest or len(rest) < 2:
-            return None
-        if rest[0] == me:
-            log.warning("no record of our group's leader by its members' deadlines: leading the rest fragment=%d "
-                        "round=%d leader=%s members=%d", fragment, round, peer_id_from_public_key(leader), len(rest))
-            return await self._lead(fragment, round, numel, codec, seed, rest, joins, now)
-        until = latest + self.settle_s + self.gap_s + 2 * self.poll_s  # its store, and clocks apart
-        while True:
-            for f in await self._read_groups(fragment, round, numel, codec, seed):
-                if (f.members[0] == rest[0] and me in f.members and set(f.members) <= set(mine[1:])
-                        and f.weights == tuple(joins[k].weight for k in f.members)):  # (its view of
-                    # what the leader took may differ from ours: a member it names that went
-                    # with the leader is dropped by the all-reduce, at its deadline)
-                    log.info("following the member ranked next: no record of our group's leader fragment=%d "
-                             "round=%d leader=%s", fragment, round, peer_id_from_public_key(leader))
-                    return f
-            if now() >= until:
-                return None
-            await asyncio.sleep(min(self.poll_s, max(0.0, until - now())))
-
-    def leaderless_s(self) -> float:
-        """How much longer than ``matchmaking_timeout_s`` ``form_group`` may take: a group whose
-        leader wrote no record waits for its last member's deadline (a batch's span after ours
-        at most), then for its next member's record (``_without_leader``)."""
-        return self.span_s + self.settle_s + self.gap_s + 2 * self.poll_s + FORMATION_MARGIN_S
-
     def _idle(self, members: tuple[bytes, ...]) -> tuple[int, ...]:
         """The members of the group we lead that reduce nothing (``GroupFormed.idle``): those
         that let us down in our last round with them (``quiet``), up to ``max_idle``. A
@@ -395,7 +342,11 @@ class Matchmaker(PhaseMixin):
             taken = await self._mine(fragment, round, numel, codec, seed, joins[me], me, now)
             if taken is not None and rank(seed, taken.members[0]) < rank(seed, me):
                 return self._group(taken)  # a leader ranked before us already named us: follow it
-            return self._group(await self._lead(fragment, round, numel, codec, seed, mine, joins, now))
+            formed = await self._lead(fragment, round, numel, codec, seed, mine, joins, now)
+            if await self._left_without_us(fragment, round, numel, codec, seed, mine, joins, now):
+                self._alone.setdefault(fragment, {})[round] = t_me
+                return None
+            return self._group(formed)
 
         # A follower (or a group of one, which may still be named by a leader whose view differs).
         # The leader closed the same window a moment ago and is storing its record now: look

@@ -229,3 +229,44 @@ def test_a_record_whose_id_does_not_cover_its_idle_members_is_refused():
     assert refused is not None and refused.members == members[1:] and refused.idle == ()
     got = follow(fair)
     assert got is not None and got.idle == (1,) and got.members == members
+
+
+class _SlowStores:
+    """A leader's view of the DHT whose store of its group record lands only ``after`` seconds
+    late (its network thread stalled under load)."""
+
+    def __init__(self, dht: MemoryDHT, after: float):
+        self.dht, self.after = dht, after
+
+    async def store(self, key, value, expiration, subkey):
+        if key == groups_key(RUN_ID, 0, ROUND):
+            await asyncio.sleep(self.after)
+        return await self.dht.store(key, value, expiration, subkey)
+
+    async def get(self, key, latest=True):
+        return await self.dht.get(key, latest)
+
+
+@pytest.mark.parametrize("late_by", [0.0, 2.5])
+def test_a_leader_whose_record_came_after_its_members_deadlines_does_not_wait_in_a_group_nobody_joined(late_by):
+    """CI: the leader's network thread stalled; its record was stored after its followers'
+    deadlines, the member ranked next led the others, and the leader followed its own record
+    into a group nobody joined, a whole agreement long. Now it sees the others' record and
+    averages alone; on time, it leads as before."""
+    honest, _ = keys_ranked(4, first=True)
+    dht = MemoryDHT()
+    sw = SwarmConfig(matchmaking_timeout_s=T, group_size=8)
+    mms = [Matchmaker(_SlowStores(dht, late_by) if i == 0 else dht, h, RUN_ID, sw, poll_s=0.05)
+           for i, h in enumerate(honest)]
+
+    async def go():
+        return await asyncio.gather(*(m.form_group(0, ROUND, 1.0, NUMEL, "fp32") for m in mms))
+
+    got = asyncio.run(go())
+    everyone = tuple(sorted((h.public_key for h in honest), key=lambda k: rank(SEED, k)))
+    assert honest[0].public_key == everyone[0]
+    if late_by:
+        assert got[0] is None
+        assert {g.members for g in got[1:]} == {everyone[1:]}
+    else:
+        assert {g.members for g in got} == {everyone}
