@@ -50,8 +50,9 @@ every member it knows took part has reported (``Round.took_part``: not one banne
 and it holds every part someone holds, or ``2.5 * D``. So a member that timed out on a part, or whose slice a reducer dropped as late (a
 reducer sends its mean to its contributors, and members it banned, only), still ends the round with the part the
 others hold: members that timed out on each other no longer land different averages. A
-member keeps the parts of its last few finished rounds to answer a report that comes after it
-finished. ``AllReduceOutcome.agreed`` says whether this member saw the agreement complete.
+member keeps the parts of its finished rounds to answer a report that comes after it
+finished (the last four, and older ones for two agreement windows within a byte budget:
+``peer.inbox.keep_recent``). ``AllReduceOutcome.agreed`` says whether this member saw the agreement complete.
 
 Finals. A member that finishes sends every other member the parts it landed (a final
 ``PartsHeld``), and answers a report that comes after it finished with it. A member that

@@ -393,4 +393,4 @@ def _held_bytes(rnd: Any) -> int:
     """Bytes of the signed frames a finished round keeps: its parts, and an audit's inputs."""
     frames = [*(f for fs in rnd.frames.values() for f in fs), *rnd.own_frames,
               *([d] for fs in rnd.push_frames.values() for *_, d in fs)]
-    return sum(len(b) for f in frames for b in f)
+    return sum(memoryview(b).nbytes for f in frames for b in f)
