@@ -367,6 +367,10 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
                 final.cancel()
             phases.append(loop.time() - t0)
             log.info("all-reduce phases pushes=%.3f means=%.3f agreed=%.3f sent=%.3f group=%s", *phases, gid.hex())
+        except BaseException:  # cancelled (the node's landing timed out) or failed: kept, as frames only
+            rnd.retire()
+            rnd.result = rnd.result.new_empty(0)
+            raise
         finally:
             # from here a report for this group is answered from the finished rounds' parts
             self._active.pop(gid, None)

@@ -21,8 +21,8 @@ An honest round's members all hold the reducer's one signed mean (``peer.allredu
 agreement), so a lie caught this way was landed alike by every honest member: they stay
 identical, and the liar is out of this member's groups from its next round on.
 
-A reducer answers each member's request for one of its parts once, for its last few rounds
-(``peer.allreduce``'s recent rounds), so requests cannot make it send more than ``n - 1``
+A reducer answers each member's request for one of its parts once, for the finished rounds
+it keeps (``peer.inbox.keep_recent``), so requests cannot make it send more than ``n - 1``
 answers per round.
 """
 

@@ -363,8 +363,9 @@ class Matchmaker(PhaseMixin, LeaderlessMixin):
         delay = self.poll_s / 8
         while True:
             found = await self._mine(fragment, round, numel, codec, seed, joins[me], mine[0], now)
-            if found is not None:
-                return self._group(found)
+            if found is not None:  # (a read that ended after every member's deadline: maybe not theirs)
+                return self._group(await self._after_deadline(found, fragment, round, numel, codec, seed, mine,
+                                                              joins, now))
             if now() >= give_up:
                 if len(mine) >= 3:  # our leader wrote no record we can follow: the rest go on without it
                     found = await self._without_leader(fragment, round, numel, codec, seed, mine, joins, now)

@@ -51,15 +51,21 @@ class LeaderlessMixin:
         nothing changes, so an honest leader that is slow, not gone, is followed as before."""
         me, leader, own = self.identity.public_key, mine[0], joins[self.identity.public_key]
         latest = max(joins[k].joined_at for k in mine) + self.swarm.matchmaking_timeout_s
+        late = None
         while now() < latest:  # a member whose deadline is later still follows the leader's record
-            found = await self._mine(fragment, round, numel, codec, seed, own, leader, now)
-            if found is not None:
-                return found
+            late = await self._mine(fragment, round, numel, codec, seed, own, leader, now)
+            if late is not None and now() < latest:
+                return late
+            if late is not None:  # a read begun before the deadline, that saw a record stored after it
+                break
             await asyncio.sleep(min(self.poll_s, max(0.0, latest - now())))
-        led = [f for f in await self._read_groups(fragment, round, numel, codec, seed) if f.members[0] == leader]
-        for f in led:  # one read for both: a record that landed since our last look is followed, not raced
-            if me in f.members and f.weights[f.members.index(me)] == own.weight and leader not in self.distrusted:
-                return f
+        until = latest + self.settle_s + self.gap_s + 2 * self.poll_s  # its store, and clocks apart
+        read = await self._read_groups(fragment, round, numel, codec, seed)
+        late = late or self._leaders(read, leader, own)
+        if late is not None:  # one read for both: a record that landed since our last look is followed, not
+            # raced; unless the member ranked next, which did not see it, leads all the rest
+            return await self._after_deadline(late, fragment, round, numel, codec, seed, mine, joins, now)
+        led = [f for f in read if f.members[0] == leader]
         taken = {k for f in led for k, w in zip(f.members, f.weights) if k in joins and joins[k].weight == w}
         rest = tuple(k for k in mine[1:] if k not in taken)
         if me not in rest or len(rest) < 2:
@@ -68,9 +74,8 @@ class LeaderlessMixin:
             log.warning("no record of our group's leader by its members' deadlines: leading the rest fragment=%d "
                         "round=%d leader=%s members=%d", fragment, round, peer_id_from_public_key(leader), len(rest))
             return await self._lead(fragment, round, numel, codec, seed, rest, joins, now)
-        until = latest + self.settle_s + self.gap_s + 2 * self.poll_s  # its store, and clocks apart
         while True:
-            for f in await self._read_groups(fragment, round, numel, codec, seed):
+            for f in read:
                 if (f.members[0] == rest[0] and me in f.members and set(f.members) <= set(mine[1:])
                         and f.weights == tuple(joins[k].weight for k in f.members)):  # (its view of
                     # what the leader took may differ from ours: a member it names that went
@@ -78,33 +83,69 @@ class LeaderlessMixin:
                     log.info("following the member ranked next: no record of our group's leader fragment=%d "
                              "round=%d leader=%s", fragment, round, peer_id_from_public_key(leader))
                     return f
-            if now() >= until:
-                return None
+            if now() >= until:  # the member ranked next followed the leader's late record: so do we
+                return self._leaders(read, leader, own)
             await asyncio.sleep(min(self.poll_s, max(0.0, until - now())))
+            read = await self._read_groups(fragment, round, numel, codec, seed)
+
+    async def _after_deadline(self, found: GroupFormed, fragment: int, round: int, numel: int, codec: str,
+                              seed: bytes, mine: tuple[bytes, ...], joins: dict[bytes, _Join],
+                              now: Callable[[], float]) -> GroupFormed:
+        """``found``, our leader's record, seen only once every member's deadline had passed:
+        the member ranked next may not have seen it by then, and then leads all the rest
+        (``_without_leader``), and the leader, seeing that, averages alone
+        (``_left_without_us``). So until that record would have come (``until``) we take it
+        if it comes, and ``found`` if not. The member ranked next saw ``found``: it leads
+        nobody, and follows it at once."""
+        latest = max(joins[k].joined_at for k in mine) + self.swarm.matchmaking_timeout_s
+        if len(mine) < 3 or found.members[0] != mine[0] or self.identity.public_key == mine[1] or now() < latest:
+            return found
+        until = latest + self.settle_s + self.gap_s + 2 * self.poll_s
+        while (rest := self._rest_of(await self._read_groups(fragment, round, numel, codec, seed), mine, joins)) is None:
+            if now() >= until:
+                return found
+            await asyncio.sleep(min(self.poll_s, max(0.0, until - now())))
+        log.info("following the member ranked next: our leader's record came after our deadlines fragment=%d round=%d",
+                 fragment, round)
+        return rest
+
+    def _leaders(self, read: list[GroupFormed], leader: bytes, own: _Join) -> GroupFormed | None:
+        """Our leader's record in ``read`` that names us with our weight (not a leader we distrust)."""
+        me = self.identity.public_key
+        return next((f for f in read if f.members[0] == leader and me in f.members
+                     and f.weights[f.members.index(me)] == own.weight and leader not in self.distrusted), None)
+
+    @staticmethod
+    def _rest_of(read: list[GroupFormed], mine: tuple[bytes, ...], joins: dict[bytes, _Join]) -> GroupFormed | None:
+        """The record of all our group but its leader (``mine[1:]``, led by the member ranked
+        next, with the weights they joined with): what that member writes when it saw no record
+        of the leader's by its deadline."""
+        return next((f for f in read if tuple(f.members) == mine[1:]
+                     and f.weights == tuple(joins[k].weight for k in f.members)), None)
 
     async def _left_without_us(self, fragment: int, round: int, numel: int, codec: str, seed: bytes,
                                mine: tuple[bytes, ...], joins: dict[bytes, _Join],
                                now: Callable[[], float]) -> bool:
         """Whether the group we lead went on without us: our record was stored after every
-        member's deadline (our network stalled, under load), and the member ranked next then
-        led all the others (``_without_leader``; a record naming them all, with the weights
-        they joined with). We then average alone at once: following our own record we waited
-        a whole agreement (2.5 D) in a group nobody joined, and came to our next round so late
-        that its others had landed it without us (CI). If some of them may follow ours (a
-        record of the rest without one of them, or none by the time theirs would be written)
-        we stay: a member missing from it is dropped at the push deadline."""
+        member's deadline (our network stalled, under load), and the member ranked next, which
+        did not see it, led all the others (``_without_leader``; the record of ``mine[1:]``).
+        A member that saw our record only after its deadline takes that one instead, as long as
+        it looks for it (``until``), and so do we: we average alone at once. Following our own
+        record we waited a whole agreement (2.5 D) in a group nobody joined, and came to our
+        next round so late that its others had landed it without us (CI). With no such record
+        by then we keep our group: the member ranked next followed ours, and so did the rest.
+        Left: a member that read our record before its deadline while the member ranked next,
+        whose reads lag, did not see it by then (the DHT's views differ) stays with our record
+        alone; and a liar ranked next can send us alone whenever we are late."""
         latest = max(joins[k].joined_at for k in mine) + self.swarm.matchmaking_timeout_s
         if len(mine) < 3 or now() <= latest:
             return False
-        others = set(mine[1:])
         until = latest + self.settle_s + self.gap_s + 2 * self.poll_s  # as long as they look for it
         while True:
-            for f in await self._read_groups(fragment, round, numel, codec, seed):
-                if (set(f.members) == others and f.members[0] not in self.distrusted
-                        and f.weights == tuple(joins[k].weight for k in f.members)):
-                    log.warning("our group's record came after its members' deadlines and they went on without us: "
-                                "averaging alone this round fragment=%d round=%d", fragment, round)
-                    return True
+            if self._rest_of(await self._read_groups(fragment, round, numel, codec, seed), mine, joins) is not None:
+                log.warning("our group's record came after its members' deadlines and they went on without us: "
+                            "averaging alone this round fragment=%d round=%d", fragment, round)
+                return True
             if now() >= until:
                 return False
             await asyncio.sleep(min(self.poll_s, max(0.0, until - now())))
