@@ -151,6 +151,10 @@ class Group:
     idle: tuple[int, ...] = ()
     """Members that reduce no slice (``GroupFormed.idle``: their slices are empty,
     ``protocol.butterfly.slice_bounds``)."""
+    late: bool = False
+    """We lead it and our record was stored after every member's deadline: nobody may have
+    followed it, so a round in which we hear from nobody does not wait for them as if we were
+    early (``Round.took_part``): a stalled leader of a pair waited 2.5 deadlines alone."""
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ class WaitMixin:
         ``peer.allreduce_round``) or the agreement's deadline."""
         g = rnd.group
         rnd.agreeing = True
-        rnd.early = not rnd.heard_from_anyone()
+        rnd.early = not rnd.heard_from_anyone() and not g.late
         rnd.reported = rnd.digests()
         report = PartsHeld(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id,
                            digests=rnd.reported, norms=tuple(rnd.norms), dots=rnd.my_dots(),

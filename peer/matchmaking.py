@@ -296,12 +296,13 @@ class Matchmaker(PhaseMixin, LeaderlessMixin):
             return ()
         return tuple(i for i, k in enumerate(members) if i and self.quiet(peer_id_from_public_key(k)))[:max_idle(len(members))]
 
-    def _group(self, f: GroupFormed) -> Group:
+    def _group(self, f: GroupFormed, late: bool = False) -> Group:
         self._alone.clear()  # we are in step with a group again: old offsets no longer apply
         self._waited.clear()
         return Group(run_id=self.run_id, fragment=f.fragment, round=f.round, group_id=bytes(f.group_id),
                      members=tuple(bytes(m) for m in f.members), weights=tuple(f.weights), numel=f.numel,
-                     codec=f.codec, deadline_s=f.deadline_s, formed_at=self.distrusted.syncs, idle=tuple(f.idle))
+                     codec=f.codec, deadline_s=f.deadline_s, formed_at=self.distrusted.syncs, idle=tuple(f.idle),
+                     late=late)
 
     async def form_group(self, fragment: int, round: int, weight: float, numel: int, codec: str, *,
                          now: Callable[[], float] = get_dht_time) -> Group | None:
@@ -343,10 +344,11 @@ class Matchmaker(PhaseMixin, LeaderlessMixin):
             if taken is not None and rank(seed, taken.members[0]) < rank(seed, me):
                 return self._group(taken)  # a leader ranked before us already named us: follow it
             formed = await self._lead(fragment, round, numel, codec, seed, mine, joins, now)
-            if await self._left_without_us(fragment, round, numel, codec, seed, mine, joins, now):
+            late = now() > max(joins[k].joined_at for k in mine) + self.swarm.matchmaking_timeout_s
+            if late and await self._left_without_us(fragment, round, numel, codec, seed, mine, joins, now):
                 self._alone.setdefault(fragment, {})[round] = t_me
                 return None
-            return self._group(formed)
+            return self._group(formed, late=late)
 
         # A follower (or a group of one, which may still be named by a leader whose view differs).
         # The leader closed the same window a moment ago and is storing its record now: look

@@ -293,3 +293,27 @@ def test_a_leader_whose_record_came_after_its_members_deadlines_does_not_wait_in
         assert {g.members for g in got.values()} == {everyone}
     elif late_by > 1:
         assert got[everyone[0]] is None and {g.members for g in list(got.values())[1:]} == {everyone[1:]}
+
+
+def test_a_pairs_leader_whose_record_came_after_its_partners_deadline_knows_its_group_is_late():
+    """In a pair nobody leads the rest: the partner averages alone at its deadline, and the
+    leader, whose record came after it, finds nothing to follow. Its group says so
+    (``Group.late``), and its round then does not wait for the partner's report as if it
+    were early (``Round.took_part``): one deadline alone, not 2.5 of them."""
+    honest, _ = keys_ranked(2, first=True)
+    for late_by in (None, 2.5):
+        dht = MemoryDHT()
+        sw = SwarmConfig(matchmaking_timeout_s=T, group_size=8)
+        views = [dht if late_by is None else _LateRecord(dht, late_by), dht]
+        mms = [Matchmaker(v, h, RUN_ID, sw, poll_s=0.05) for v, h in zip(views, honest)]
+        if late_by is not None:
+            views[0].mm = mms[0]
+
+        async def go(mms=mms):
+            return await asyncio.gather(*(m.form_group(0, ROUND, 1.0, NUMEL, "fp32") for m in mms))
+
+        lead, partner = asyncio.run(go())
+        if late_by is None:
+            assert lead.members == partner.members and not lead.late and not partner.late
+        else:
+            assert partner is None and lead.late
