@@ -345,7 +345,7 @@ class Matchmaker(PhaseMixin, LeaderlessMixin):
                 return self._group(taken)  # a leader ranked before us already named us: follow it
             formed = await self._lead(fragment, round, numel, codec, seed, mine, joins, now)
             late = now() > max(joins[k].joined_at for k in mine) + self.swarm.matchmaking_timeout_s
-            if late and await self._left_without_us(fragment, round, numel, codec, seed, mine, joins, now):
+            if await self._left_without_us(fragment, round, numel, codec, seed, mine, joins, now):
                 self._alone.setdefault(fragment, {})[round] = t_me
                 return None
             return self._group(formed, late=late)

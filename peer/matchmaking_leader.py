@@ -54,12 +54,13 @@ class LeaderlessMixin:
         late = None
         while now() < latest:  # a member whose deadline is later still follows the leader's record
             late = await self._mine(fragment, round, numel, codec, seed, own, leader, now)
-            if late is not None and now() < latest:
+            if late is not None and now() < latest - self.settle_s:
                 return late
             if late is not None:  # a read begun before the deadline, that saw a record stored after it
                 break
             await asyncio.sleep(min(self.poll_s, max(0.0, latest - now())))
         until = latest + self.settle_s + self.gap_s + 2 * self.poll_s  # its store, and clocks apart
+        t0 = now()
         read = await self._read_groups(fragment, round, numel, codec, seed)
         late = late or self._leaders(read, leader, own)
         if late is not None:  # one read for both: a record that landed since our last look is followed, not
@@ -83,9 +84,10 @@ class LeaderlessMixin:
                     log.info("following the member ranked next: no record of our group's leader fragment=%d "
                              "round=%d leader=%s", fragment, round, peer_id_from_public_key(leader))
                     return f
-            if now() >= until:  # the member ranked next followed the leader's late record: so do we
+            if t0 >= until:  # the member ranked next followed the leader's late record: so do we
                 return self._leaders(read, leader, own)
             await asyncio.sleep(min(self.poll_s, max(0.0, until - now())))
+            t0 = now()
             read = await self._read_groups(fragment, round, numel, codec, seed)
 
     async def _after_deadline(self, found: GroupFormed, fragment: int, round: int, numel: int, codec: str,
@@ -94,15 +96,24 @@ class LeaderlessMixin:
         """``found``, our leader's record, seen only once every member's deadline had passed:
         the member ranked next may not have seen it by then, and then leads all the rest
         (``_without_leader``), and the leader, seeing that, averages alone
-        (``_left_without_us``). So until that record would have come (``until``) we take it
-        if it comes, and ``found`` if not. The member ranked next saw ``found``: it leads
-        nobody, and follows it at once."""
+        (``_left_without_us``). So until that record would have come (``until``: we stop only
+        after a read begun then, as a read that lags may miss a record stored while it ran) we
+        take it if it comes, and ``found`` if not. The member ranked next saw ``found``: it
+        leads nobody, and follows it at once. "Only once" starts a settle time before the
+        deadline: members' clocks differ (a member whose clock was 0.1 s behind followed the
+        leader while the member ranked next led the rest: a review's simulation). Left: a
+        liar ranked next that writes that record early takes with it a member whose reads of
+        the leader's (on time) lag past the deadline."""
         latest = max(joins[k].joined_at for k in mine) + self.swarm.matchmaking_timeout_s
-        if len(mine) < 3 or found.members[0] != mine[0] or self.identity.public_key == mine[1] or now() < latest:
+        if (len(mine) < 3 or found.members[0] != mine[0] or self.identity.public_key == mine[1]
+                or now() < latest - self.settle_s):
             return found
         until = latest + self.settle_s + self.gap_s + 2 * self.poll_s
-        while (rest := self._rest_of(await self._read_groups(fragment, round, numel, codec, seed), mine, joins)) is None:
-            if now() >= until:
+        while True:
+            t0 = now()
+            if (rest := self._rest_of(await self._read_groups(fragment, round, numel, codec, seed), mine, joins)) is not None:
+                break
+            if t0 >= until:
                 return found
             await asyncio.sleep(min(self.poll_s, max(0.0, until - now())))
         log.info("following the member ranked next: our leader's record came after our deadlines fragment=%d round=%d",
@@ -134,19 +145,22 @@ class LeaderlessMixin:
         record we waited a whole agreement (2.5 D) in a group nobody joined, and came to our
         next round so late that its others had landed it without us (CI). With no such record
         by then we keep our group: the member ranked next followed ours, and so did the rest.
-        Left: a member that read our record before its deadline while the member ranked next,
-        whose reads lag, did not see it by then (the DHT's views differ) stays with our record
-        alone; and a liar ranked next can send us alone whenever we are late."""
+        "After" starts a settle time before it, as for the members (``_after_deadline``); we
+        stop looking only after a read begun at ``until``. Left: a member that read our record
+        well before its deadline while the member ranked next, whose reads lag, did not see it
+        by then (the DHT's views differ) stays with our record alone; and a liar ranked next
+        can send us alone whenever we are late."""
         latest = max(joins[k].joined_at for k in mine) + self.swarm.matchmaking_timeout_s
-        if len(mine) < 3 or now() <= latest:
+        if len(mine) < 3 or now() <= latest - self.settle_s:  # (as a member's clock may see it)
             return False
         until = latest + self.settle_s + self.gap_s + 2 * self.poll_s  # as long as they look for it
         while True:
+            t0 = now()
             if self._rest_of(await self._read_groups(fragment, round, numel, codec, seed), mine, joins) is not None:
                 log.warning("our group's record came after its members' deadlines and they went on without us: "
                             "averaging alone this round fragment=%d round=%d", fragment, round)
                 return True
-            if now() >= until:
+            if t0 >= until:
                 return False
             await asyncio.sleep(min(self.poll_s, max(0.0, until - now())))
 

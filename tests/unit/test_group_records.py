@@ -264,15 +264,18 @@ class _SlowReads:
         return await self.dht.get(key, latest)
 
 
-@pytest.mark.parametrize("late_by, lag", [(None, 0.0), (2.5, 0.0), (0.08, 0.15), (0.08, 0.0)])
-def test_a_leader_whose_record_came_after_its_members_deadlines_does_not_wait_in_a_group_nobody_joined(late_by, lag):
+@pytest.mark.parametrize("late_by, lag, skew", [(None, 0.0, 0.0), (2.5, 0.0, 0.0), (0.08, 0.15, 0.0), (0.08, 0.0, 0.0),
+                                                (0.02, 0.0, -0.1)])
+def test_a_leader_whose_record_came_after_its_members_deadlines_does_not_wait_in_a_group_nobody_joined(late_by, lag,
+                                                                                                       skew):
     """CI: the leader's network thread stalled; its record was stored after its followers'
     deadlines, the member ranked next led the others, and the leader followed its own record
     into a group nobody joined, a whole agreement long. Now it sees the others' record and
     averages alone; on time, it leads as before. Just after the deadlines, a member whose
     read of the records lags sees the leader's while the member ranked next did not (a
     review's race): it takes the others' record too, so nobody is in a group some of whose
-    members went elsewhere."""
+    members went elsewhere; so does one whose clock is behind (``skew``), that read the record
+    just before the deadline by its clock (a review's simulation)."""
     honest, _ = keys_ranked(4, first=True)
     dht = MemoryDHT()
     sw = SwarmConfig(matchmaking_timeout_s=T, group_size=8)
@@ -281,8 +284,10 @@ def test_a_leader_whose_record_came_after_its_members_deadlines_does_not_wait_in
     if late_by is not None:
         views[0].mm = mms[0]
 
+    clocks = [time.time] * 3 + [lambda: time.time() + skew]
+
     async def go():
-        return await asyncio.gather(*(m.form_group(0, ROUND, 1.0, NUMEL, "fp32") for m in mms))
+        return await asyncio.gather(*(m.form_group(0, ROUND, 1.0, NUMEL, "fp32", now=c) for m, c in zip(mms, clocks)))
 
     got = dict(zip((h.public_key for h in honest), asyncio.run(go())))
     everyone = tuple(sorted(got, key=lambda k: rank(SEED, k)))
