@@ -51,8 +51,12 @@ class IntakeMixin:
         late = self.dropped.get(i, "").startswith(LATE)
         if isinstance(msg, PushSlice) and late and self.valid_late_push(i, msg):
             self.pushers.add(i)  # after our deadline: it pushed, it is late, not gone (peer.quiet)
-        if i in self.dropped and not (late and isinstance(msg, SliceAveraged)):
-            return  # a member dropped for lateness may still send its part; not one that lied
+        if i in self.dropped and not isinstance(msg, SliceAveraged):
+            # a dropped member's reduced part is judged on its own frames, whatever we dropped it
+            # for: another member that took it forwards it to us anyway, and a liar's means, taken,
+            # show in the reports if it signed two (refused, a liar whose bad push reached every
+            # member first was never proven: CI, the equivocating liar with off-grid pushes)
+            return
         self.bytes_received += nbytes
         seen = (i, type(msg).__name__, msg.part, msg.offset, bytes(v.payload_digest))
         if seen in self._seen:

@@ -16,7 +16,7 @@ from protocol.envelope import seal, verify
 from protocol.evidence import equivocation, proves
 from protocol.identity import Identity
 from protocol.messages import digest
-from protocol.messages_swarm import PartsHeld, SliceAveraged
+from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
 RUN = b"\x05" * 20
 GID = b"g" * 16
@@ -128,6 +128,42 @@ def test_members_holding_different_means_exchange_them_and_both_fall_back_on_the
             assert rnd.visible(0)  # the reports showed it: every member waited for the proof
         # the proof goes to every member that reported holding the part
         assert a.proof_wanted() == [(2, 0)] and b.proof_wanted() == [(1, 0)]
+
+    asyncio.run(run())
+
+
+def test_a_member_dropped_for_a_bad_push_still_has_its_means_taken_and_its_equivocation_proven():
+    """The liar's push, off the run's grid of chunks, reaches both honest reducers before its
+    two different means: each drops it from the round at once (that proves nothing to others:
+    the grid is the round's), and still takes the mean it signed, so the reports show two means
+    and the forwarded frames prove them. (Refused, no member held either mean: the part fell
+    back alike, but the liar was never proven, and every round it lied again; CI's
+    ``lie:push1e30+short+replay+equivocate``.)"""
+    async def run():
+        a, b = member(1), member(2)
+        for rnd, values in ((a, ONES), (b, TWOS)):
+            rnd.collecting_pushes = True
+            s = 10 * rnd.me
+            push = seal(PushSlice(run_id=RUN, fragment=0, round=1, group_id=GID, part=rnd.me, offset=s, numel=7,
+                                  shape=(7,), dtype="float32", codec="fp32", weight=1.0, stopping=False,
+                                  payload=get_codec("fp32").encode(torch.ones(7))), KEYS[0])
+            deliver(rnd, push)
+            assert rnd.dropped[0].startswith("PushSlice:") and "grid" in rnd.dropped[0]
+            rnd.collecting_pushes = False
+            deliver(rnd, mean(values))
+            assert rnd.holds(0)
+            for j in range(1, N):
+                hold(rnd, j, torch.full((10,), 3.0 + j))
+            rnd.agreeing = True
+            rnd.reported = rnd.digests()
+        deliver(a, report(b))
+        deliver(b, report(a))
+        assert a.unproven() == [0] and b.unproven() == [0]
+        for rnd, other, via in ((a, b, 2), (b, a, 1)):
+            for frames in other.frames[0]:
+                deliver(rnd, frames[0], via=via)
+        for rnd in (a, b):
+            assert 0 in rnd.convicted and [o[0] for o in rnd.offences.values()] == [KEYS[0].public_key]
 
     asyncio.run(run())
 
