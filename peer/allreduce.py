@@ -110,6 +110,7 @@ from peer.allreduce_wait import WaitMixin
 from peer.audit import Audits
 from peer.inbox import PendingFrames, StreamEnded, StreamGate, keep_recent
 from peer.quiet import DEADLINE_DROP, MEANS_DROP, QUIET_PUSH, QuietMembers
+from peer.allreduce_wait import FINISHED_DROP
 from peer.ratelimit import RateLimiter
 from protocol.butterfly import HEAD_ROOM, chunk_elements
 from protocol.codecs import get_codec
@@ -355,6 +356,7 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
             for j in range(rnd.n):
                 if j != me and j not in rnd.dropped and rnd.got[j] != rnd.size(j):
                     rnd.drop(j, MEANS_DROP if loop.time() >= end_deadline
+                             else FINISHED_DROP if j in rnd.finals
                              else "timeout:reduced part held by others, not sent to us")
             await self._agree(rnd)
             phases.append(loop.time() - t0)

@@ -219,6 +219,12 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
     def means_done(self) -> bool:
         return all(j == self.me or j in self.dropped or self.got[j] == self.size(j) for j in range(self.n))
 
+    def lacking_finished(self) -> bool:
+        """Every reduced part we still lack is of a reducer whose final is in: it finished
+        without it reaching us (``Averager._wait_means``)."""
+        lacking = [j for j in range(self.n) if j != self.me and j not in self.dropped and self.got[j] != self.size(j)]
+        return bool(lacking) and all(j in self.finals for j in lacking)
+
     def silent_quiet(self) -> list[int]:
         """The quiet members no push has come from in this round (``peer.quiet``): a report
         alone does not restore the full wait (one tiny frame per round would cost every round

@@ -19,6 +19,7 @@ from protocol.messages_swarm import PartsHeld
 log = logging.getLogger("peer.allreduce")
 
 ELSEWHERE_GRACE = 0.1  # of deadline_s: a part others reported holding this long is not waited for
+FINISHED_DROP = "timeout:reduced part not sent to us, its reducer finished"  # (late: it may come forwarded)
 
 
 class WaitMixin:
@@ -78,11 +79,16 @@ class WaitMixin:
         make an honest reducer on its way count as late, which a false final then exploits). A
         reducer that withholds its part from one member would otherwise hold that member, and
         the agreement of the whole group, to the deadline; the agreement forwards the part now
-        (and the reducer's own frames are still taken)."""
+        (and the reducer's own frames are still taken). Nor do we wait for parts whose reducers'
+        finals are in (``Round.lacking_finished``): a reducer finishes once its sends to its
+        contributors were acknowledged or timed out, so we were not one of them, or its send
+        failed; we ask for the part in our report at once, which its finished round answers
+        (CI: a member that came to a round after the others had landed it waited the means'
+        deadline, and reported after they had left the run)."""
         loop = asyncio.get_running_loop()
         grace = ELSEWHERE_GRACE * rnd.group.deadline_s
         start, cut = loop.time(), math.inf
-        while not rnd.means_done():
+        while not rnd.means_done() and not rnd.lacking_finished():
             now = loop.time()
             quiet = rnd.means_done_but_quiet() if rnd.quiet else []  # only quiet reducers' parts missing
             cut = (now + quiet_grace(rnd.group.deadline_s, now - start, rnd.grace_share) if cut == math.inf else cut) if quiet \

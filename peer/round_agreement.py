@@ -67,7 +67,7 @@ class AgreementMixin:
     def settled(self) -> bool:
         """What ``AllReduceOutcome.agreed`` says: the agreement completed, and every member we
         dropped as late reported too (one whose slices all came late took part in no one's
-        round, but it may still have landed parts: without its report we cannot tell), unless
+        round, but it may still have landed parts: without its report, or its final, we cannot tell), unless
         it is banned: a banned member's report is never waited for (``took_part``), and one that
         pushed nothing and reported nothing would have made every round it was in unagreed."""
         late = [i for i, why in self.dropped.items() if why.startswith(LATE) and self.peer_ids[i] not in self.banned]
@@ -76,7 +76,7 @@ class AgreementMixin:
             counted = {i for j, c in self.contributors.items() if self.holds(j) for i in c}
             late += [i for i in range(self.n) if i != self.me and i not in counted and i not in self.dropped
                      and i not in self.finals and self.peer_ids[i] not in self.banned]
-        return (self.agreed() and all(i in self.reports for i in late)
+        return (self.agreed() and all(i in self.reports or i in self.finals for i in late)
                 and all(self.visible(j) for j in self.convicted))
 
     def visible(self, j: int) -> bool:

@@ -3,6 +3,7 @@ before its part existed falls back on that part as they did, and a member's fina
 make another fall back on a part that came on time. No network: frames go from the test to
 a Round by hand."""
 
+import asyncio
 from collections import OrderedDict
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ from peer import inbox
 from peer.allreduce import Group
 from peer.inbox import keep_recent
 from peer.allreduce_round import Round
+from peer.allreduce_wait import FINISHED_DROP, WaitMixin
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 from protocol.identity import Identity
@@ -325,3 +327,26 @@ def test_finished_rounds_are_kept_for_a_late_members_report_by_time_not_by_count
     recent = OrderedDict((bytes([i]), _finished(at=i / 2)) for i in range(40))
     keep_recent(recent, now=20.0)
     assert list(recent) == [bytes([i]) for i in range(30, 40)]  # 10 rounds of 1010 bytes
+
+
+def test_a_member_that_came_after_the_others_finished_does_not_wait_for_parts_they_will_not_send():
+    """CI: member 2 came to a round after 0 and 1 had landed it without its slice: their parts
+    never come to it (not a contributor), and it waited the means' deadline for them, then
+    reported after they had left the run. Reducers whose finals are in have finished: their
+    parts come, if at all, forwarded in answer to our report, which we send at once."""
+    rnd = member(LATE)
+    hold(rnd, LATE, (0, 1, 2))  # its own part, of the others' pushes that waited for it
+    parts = {j: b"d" * 32 for j in (0, 1)}
+    deliver(rnd, final(0, (parts[0], parts[1], b"")))
+    assert not rnd.lacking_finished()  # part 1's reducer may still send it
+    deliver(rnd, final(1, (parts[0], parts[1], b"")))
+    assert rnd.lacking_finished()
+
+    async def wait() -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.wait_for(WaitMixin._wait_means(None, rnd, loop.time() + 60.0), 10.0)  # not the deadline
+
+    asyncio.run(wait())
+    assert rnd.wanted() == [0, 1]  # asked for in our report
+    rnd.drop(0, FINISHED_DROP)  # late, not lying: its part is still taken, and its final counts
+    assert rnd.came_late(0) and rnd._believed(0)
