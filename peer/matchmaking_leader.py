@@ -33,7 +33,6 @@ class LeaderlessMixin:
     gap_s: float
     settle_s: float
     poll_s: float
-    _alone: dict[int, dict[int, float]]
 
     async def _without_leader(self, fragment: int, round: int, numel: int, codec: str, seed: bytes,
                               mine: tuple[bytes, ...], joins: dict[bytes, _Join],
