@@ -83,8 +83,8 @@ class InboundMixin:
             return None
         if rnd is not None:
             rnd.accept(peer_id, v, nbytes, data)
-            if isinstance(v.message, PartsHeld) and rnd.agreeing:
-                self._forward(rnd, rnd.tasks)
+            if isinstance(v.message, (PartsHeld, SliceAveraged)) and rnd.agreeing:  # a part may have come
+                self._forward(rnd, rnd.tasks)  # whole from its reducer after a member reported lacking it
             elif isinstance(v.message, PushSlice):
                 self._send_mean_late(rnd, peer_id)
         elif gid in self._recent and isinstance(v.message, PartsHeld):

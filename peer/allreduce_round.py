@@ -312,8 +312,11 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         coming, as they are no contributors (``Averager.allreduce`` sends it them)."""
         return {i for i in self.pushers if self.dropped.get(i, "").startswith(LATE)}
 
-    def drop(self, i: int, reason: str) -> None:
-        if i == self.me or i in self.dropped:
+    def drop(self, i: int, reason: str, lie: bool = False) -> None:
+        """Drop member i from the round for ``reason``; ``lie``: a frame of its failed a check,
+        which turns a drop for lateness into one for a lie (a member that made itself late at
+        will, then lied, would otherwise keep the say of a late member: ``_believed``)."""
+        if i == self.me or (i in self.dropped and not (lie and self.dropped[i].startswith(LATE))):
             return
         self.dropped[i] = reason
         log.warning("dropped member reason=%s peer=%s group=%s index=%d", reason, self.peer_ids[i],

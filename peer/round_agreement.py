@@ -94,11 +94,12 @@ class AgreementMixin:
                 and any(r[j] for r in (*self.reports.values(), *self.finals.values()))]
 
     def came_late(self, j: int) -> bool:
-        """Whether part j's reducer was late as this member saw it: we dropped it for
-        lateness (its slice or part did not come in time), or, for our own part, every other
+        """Whether part j's reducer was late as this member saw it: we dropped it (its slice or
+        part did not come in time, or a frame of its failed a check, or we could not reach it:
+        its part, taken or forwarded, came to us apart from the round), or, for our own part, every other
         part we hold was reduced without our slice (it came too late to each of its reducers)."""
         if j != self.me:
-            return self.dropped.get(j, "").startswith(LATE)
+            return j in self.dropped
         others = [c for k, c in self.contributors.items() if k != self.me and self.holds(k)]
         return bool(others) and all(self.me not in c for c in others)
 

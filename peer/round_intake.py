@@ -51,11 +51,14 @@ class IntakeMixin:
         late = self.dropped.get(i, "").startswith(LATE)
         if isinstance(msg, PushSlice) and late and self.valid_late_push(i, msg):
             self.pushers.add(i)  # after our deadline: it pushed, it is late, not gone (peer.quiet)
-        if i in self.dropped and not isinstance(msg, SliceAveraged):
+        if i in self.dropped and not (isinstance(msg, SliceAveraged) and (late or not self.reported)):
             # a dropped member's reduced part is judged on its own frames, whatever we dropped it
-            # for: another member that took it forwards it to us anyway, and a liar's means, taken,
-            # show in the reports if it signed two (refused, a liar whose bad push reached every
-            # member first was never proven: CI, the equivocating liar with off-grid pushes)
+            # for, until we report: another member that took it forwards it to us anyway, and a
+            # liar's means, taken, show in the reports if it signed two (refused, a liar whose bad
+            # push reached every member first was never proven: CI, the equivocating liar with
+            # off-grid pushes). After our report only a late member's: a liar's part, completed
+            # then for us alone, was landed by us while members that reported lacking it fell
+            # back (a review's repro)
             return
         self.bytes_received += nbytes
         seen = (i, type(msg).__name__, msg.part, msg.offset, bytes(v.payload_digest))
@@ -67,7 +70,7 @@ class IntakeMixin:
             else:
                 self._accept_mean(i, msg, v.payload_digest, data)  # type: ignore[arg-type]
         except RemoteProtocolError as e:
-            self.drop(i, f"{type(msg).__name__}:{e}")
+            self.drop(i, f"{type(msg).__name__}:{e}", lie=True)
             self._keep_evidence(data)
             return
         if isinstance(msg, PushSlice):
@@ -298,6 +301,10 @@ class IntakeMixin:
             raise RemoteProtocolError(f"weight {msg.weight} is not the contributors' total {total}")
 
     def _accept_mean(self, j: int, msg: SliceAveraged, payload_digest: bytes, data: bytes) -> None:
+        held = self.mean_chunks.setdefault(j, [])
+        if self._check_equivocation(j, msg, payload_digest, data, [
+                (o, n, self.contributors.get(j, ()), d, f[0]) for (o, n, d), f in zip(held, self.frames.get(j, []))]):
+            return  # another mean over elements we took, signed by the same reducer: proven (was only refused)
         if self.holds(j):
             return  # forwarded to us already
         if not self.collecting_means:
@@ -307,7 +314,7 @@ class IntakeMixin:
         contrib = tuple(msg.contributors)
         if self.contributors.setdefault(j, contrib) != contrib:
             raise RemoteProtocolError("contributors differ between chunks of one part")
-        _check_disjoint([(o, n) for o, n, _ in self.mean_chunks.setdefault(j, [])], msg.offset, msg.numel)
+        _check_disjoint([(o, n) for o, n, _ in held], msg.offset, msg.numel)
         decoded = self.codec.decode(msg.payload, msg.numel)  # raises on bad bytes or non-finite values
         self.mean_own.setdefault(j, {})[msg.offset] = bytes(msg.own)
         self.result[msg.offset:msg.offset + msg.numel] = decoded

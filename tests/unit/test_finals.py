@@ -350,3 +350,83 @@ def test_a_member_that_came_after_the_others_finished_does_not_wait_for_parts_th
     assert rnd.wanted() == [0, 1]  # asked for in our report
     rnd.drop(0, FINISHED_DROP)  # late, not lying: its part is still taken, and its final counts
     assert rnd.came_late(0) and rnd._believed(0)
+
+
+def _mean_frames(j: int, value: float, contributors: tuple[int, ...], weight: float = 0.0) -> list[bytes]:
+    payload = get_codec("fp32").encode(torch.full((10,), value))
+    return [seal(SliceAveraged(run_id=RUN, fragment=0, round=1, group_id=GID, part=j, offset=10 * j, numel=10,
+                               shape=(10,), dtype="float32", codec="fp32", weight=weight or float(len(contributors)),
+                               contributors=contributors, inputs=b"i" * 32, own=digest(payload), payload=payload),
+                 KEYS[j])]
+
+
+def test_a_part_that_comes_whole_from_its_reducer_after_the_reports_is_forwarded_to_those_that_lacked_it():
+    """Reducer 0 sent its final early (both others stopped waiting for its part and reported
+    lacking it), then its part to member 1 only. Member 1 forwards it to member 2 as soon as it
+    is whole: it used to forward only on a report or a forwarded frame, so it landed the part
+    while member 2 waited to its deadline and fell back (a review's repro, through the handler)."""
+    from peer.allreduce import Averager
+
+    rnd = member(1)
+    for j in (1, 2):
+        hold(rnd, j, (1, 2))
+    av = Averager(p2p=None, identity=KEYS[1], run_id=RUN)
+    av._active[GID] = rnd
+    forwards: list[int] = []
+
+    async def deliver_to(rnd_, j, frames, deadline, sent, drop):
+        forwards.append(j)
+        return True
+
+    av._deliver = deliver_to
+
+    async def agreement() -> None:
+        rnd.agree_deadline = asyncio.get_running_loop().time() + 12.5
+        rnd.drop(0, FINISHED_DROP)
+        rnd.agreeing, rnd.reported = True, rnd.digests()
+        av._on_frame(KEYS[2].peer_id, final(2, rnd.reported, is_final=False))  # member 2 lacks part 0 too
+        assert forwards == [] and not rnd.holds(0)
+        for frame in _mean_frames(0, 9.0, (0, 1)):
+            av._on_frame(KEYS[0].peer_id, frame)  # a late member's part: taken after our report
+        await asyncio.sleep(0)
+        assert rnd.holds(0) and forwards == [2]
+
+    asyncio.run(agreement())
+
+
+def test_a_liars_part_completed_after_our_report_is_not_taken():
+    """A reducer dropped for a lie (its push was off the grid) has its part taken until we
+    report: then its means show in the reports. After our report it is not taken: completed
+    for us alone then, we landed it while a member that had reported lacking it fell back (a
+    review's repro). A late member's part is still taken then."""
+    for reason, taken in (("PushSlice:chunk off the run's grid", False), ("timeout:slice not in by the deadline", True)):
+        rnd = member(1)
+        rnd.drop(0, reason)
+        rnd.agreeing, rnd.reported = True, rnd.digests()
+        for frame in _mean_frames(0, 9.0, (0, 1)):
+            deliver(rnd, frame)
+        assert rnd.holds(0) is taken, reason
+        assert rnd.came_late(0)  # either way, its part follows the finals of the members that finished first
+
+
+def test_a_member_late_at_will_that_then_lies_loses_a_late_members_say():
+    """A liar can have itself dropped as late with one frame (an early final); a frame of its
+    that then fails a check makes it a liar in our round: its final no longer counts."""
+    rnd = member(1)
+    rnd.drop(0, FINISHED_DROP)
+    assert rnd._believed(0)
+    bad = _mean_frames(0, 9.0, (0, 1), weight=7.0)[0]  # not its contributors' total
+    deliver(rnd, bad)
+    assert not rnd._believed(0) and not rnd.dropped[0].startswith("timeout")
+    rnd.drop(0, "timeout:again")  # lateness never turns a liar back into a late member
+    assert not rnd.dropped[0].startswith("timeout")
+
+
+def test_two_means_of_the_same_elements_sent_to_one_member_prove_equivocation():
+    """Two different means of one chunk from its reducer, both to us: proof, kept (the second
+    was ignored, or refused as an overlap of a part not yet whole, and the first kept: no
+    proof, and the part landed)."""
+    rnd = member(1)
+    deliver(rnd, _mean_frames(0, 9.0, (0, 1))[0])
+    deliver(rnd, _mean_frames(0, 8.0, (0, 1))[0])
+    assert 0 in rnd.convicted and [o[0] for o in rnd.offences.values()] == [KEYS[0].public_key]
