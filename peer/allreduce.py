@@ -106,11 +106,10 @@ from hivemind.p2p import P2P
 from peer.allreduce_inbound import InboundMixin
 from peer.allreduce_round import Round
 from peer.allreduce_send import SendMixin, encode_chunks
-from peer.allreduce_wait import WaitMixin
+from peer.allreduce_wait import FINISHED_DROP, WaitMixin
 from peer.audit import Audits
 from peer.inbox import PendingFrames, StreamEnded, StreamGate, keep_recent
 from peer.quiet import DEADLINE_DROP, MEANS_DROP, QUIET_PUSH, QuietMembers
-from peer.allreduce_wait import FINISHED_DROP
 from peer.ratelimit import RateLimiter
 from protocol.butterfly import HEAD_ROOM, chunk_elements
 from protocol.codecs import get_codec

@@ -115,9 +115,7 @@ class IntakeMixin:
         if not self.agreeing:
             return  # unasked for
         if self.holds(j) or j in self.convicted:  # here already: the same mean, or proof of another
-            held = [(o, n, self.contributors[j], d, f[0]) for (o, n, d), f in zip(self.mean_chunks[j], self.frames[j])
-                    ] if self.holds(j) else []
-            self._check_equivocation(j, msg, v.payload_digest, data, held)
+            self._check_equivocation(j, msg, v.payload_digest, data, self._taken(j) if self.holds(j) else [])
             return
         if self._check_equivocation(j, msg, v.payload_digest, data,
                                     [(c[0], c[1], c[4], c[3], c[2]) for (p, _), cs in self.repairs.items() if p == j
@@ -146,6 +144,12 @@ class IntakeMixin:
         if sum(c[1] for c in chunks) == self.size(j):
             self._take_repair(j, f)
         self.changed.set()
+
+    def _taken(self, j: int) -> list[tuple[int, int, tuple[int, ...], bytes, bytes]]:
+        """The chunks of part j we took from its reducer or a forwarder: (offset, numel,
+        contributors, payload digest, frame), as ``_check_equivocation`` compares them."""
+        return [(o, n, self.contributors.get(j, ()), d, f[0])
+                for (o, n, d), f in zip(self.mean_chunks.get(j, []), self.frames.get(j, []))]
 
     def _check_equivocation(self, j: int, msg: SliceAveraged, payload_digest: bytes, data: bytes,
                             ours: list[tuple[int, int, tuple[int, ...], bytes, bytes]]) -> bool:
@@ -301,9 +305,7 @@ class IntakeMixin:
             raise RemoteProtocolError(f"weight {msg.weight} is not the contributors' total {total}")
 
     def _accept_mean(self, j: int, msg: SliceAveraged, payload_digest: bytes, data: bytes) -> None:
-        held = self.mean_chunks.setdefault(j, [])
-        if self._check_equivocation(j, msg, payload_digest, data, [
-                (o, n, self.contributors.get(j, ()), d, f[0]) for (o, n, d), f in zip(held, self.frames.get(j, []))]):
+        if self._check_equivocation(j, msg, payload_digest, data, self._taken(j)):
             return  # another mean over elements we took, signed by the same reducer: proven (was only refused)
         if self.holds(j):
             return  # forwarded to us already
@@ -314,7 +316,7 @@ class IntakeMixin:
         contrib = tuple(msg.contributors)
         if self.contributors.setdefault(j, contrib) != contrib:
             raise RemoteProtocolError("contributors differ between chunks of one part")
-        _check_disjoint([(o, n) for o, n, _ in held], msg.offset, msg.numel)
+        _check_disjoint([(o, n) for o, n, _ in self.mean_chunks.setdefault(j, [])], msg.offset, msg.numel)
         decoded = self.codec.decode(msg.payload, msg.numel)  # raises on bad bytes or non-finite values
         self.mean_own.setdefault(j, {})[msg.offset] = bytes(msg.own)
         self.result[msg.offset:msg.offset + msg.numel] = decoded
