@@ -36,6 +36,7 @@ class FakeNode:
             fragments_alone=0, rounds_joined=6, steps_dropped=0, total_steps=2000)
         self.fields.update(status)
         self.snapshot: list[Message] = []
+        self.statuses = 0  # status requests answered (tests wait for polls with it)
         self.server = ControlServer(socket_path, self)
 
     def __enter__(self) -> FakeNode:
@@ -48,6 +49,7 @@ class FakeNode:
     # ControlTarget
     def status(self) -> dict[str, Any]:
         with self.lock:
+            self.statuses += 1
             return dict(self.fields, at=time.time())
 
     def command(self, msg: Message) -> None:

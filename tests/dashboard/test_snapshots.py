@@ -60,7 +60,27 @@ async def settled(pilot):
         if app.model.node_up and len(app.model.train) == 60 and app.model.peers and len(app.model.log) == 1:
             break
         await pilot.pause(0.05)
-    await pilot.pause(0.7)  # one redraw after the data arrived
+    await redrawn(pilot)  # one redraw after the data arrived
+
+
+async def redrawn(pilot, times: int = 1):
+    """Wait (bounded) for ``times`` redraws begun after this call: they show the model as it is."""
+    app, n = pilot.app, pilot.app.redraws
+    for _ in range(200):
+        if app.redraws >= n + times:
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("no redraw within 10 s")
+
+
+async def switched(pilot, mode: str):
+    """Switch to a screen and wait (bounded) until it is drawn from the model."""
+    await pilot.press(mode[0])
+    for _ in range(200):
+        if pilot.app.current_mode == mode:
+            return await redrawn(pilot)
+        await pilot.pause(0.05)
+    raise AssertionError(f"no {mode} screen within 10 s")
 
 
 def test_dashboard_screen(snap_compare, node):
@@ -70,16 +90,14 @@ def test_dashboard_screen(snap_compare, node):
 def test_settings_screen(snap_compare, node):
     async def go(pilot):
         await settled(pilot)
-        await pilot.press("s")
-        await pilot.pause(0.8)
+        await switched(pilot, "settings")
     assert snap_compare(app_for(node), terminal_size=SIZE, run_before=go)
 
 
 def test_log_screen(snap_compare, node):
     async def go(pilot):
         await settled(pilot)
-        await pilot.press("l")
-        await pilot.pause(0.8)
+        await switched(pilot, "log")
     assert snap_compare(app_for(node), terminal_size=SIZE, run_before=go)
 
 
@@ -93,7 +111,7 @@ def test_runs_screen_without_a_node(snap_compare):
             if pilot.app.screen.query("#runs") and pilot.app.screen.query_one("#runs").row_count:
                 break
             await pilot.pause(0.05)
-        await pilot.pause(0.3)
+        await redrawn(pilot)
     sock = Path(tempfile.mkdtemp(prefix="ss-snap-", dir="/tmp")) / "none.sock"
     app = SwarmstreamApp(sock, list_runs=list_runs, poll_s=0.2, clock=lambda: NOW)
     assert snap_compare(app, terminal_size=SIZE, run_before=go)
@@ -106,9 +124,9 @@ def test_first_run_dialog(snap_compare):
     async def go(pilot):
         for _ in range(200):
             if pilot.app.screen.id == "first-run" and pilot.app.screen.query("Button"):
-                break
+                return  # the dashboard under it was drawn from the first status when it mounted
             await pilot.pause(0.05)
-        await pilot.pause(0.7)
+        raise AssertionError("no first-run dialog within 10 s")
 
     with FakeNode(sock, state="paused", pause_reason="waiting for you to confirm in the dashboard",
                   awaiting_confirm=True, settings_path="/home/v/.config/swarmstream/settings.toml",

@@ -67,6 +67,8 @@ class SwarmstreamApp(App):
         self.model = DashboardModel()
         self.last_error = ""
         self.sent: list[Message] = []  # commands the node accepted (tests and the log read it)
+        self.redraws = 0
+        """Screens drawn from the model so far: one that begins after a change shows it (tests wait on it)."""
         self._conn: ControlConnection | None = None
         self._lock = asyncio.Lock()
         self._first_run_declined = False  # "not now": p starts it later
@@ -164,7 +166,8 @@ class SwarmstreamApp(App):
             try:
                 screen.refresh_view(self.model)
             except NoMatches:  # the screen is still composing; the next tick draws it
-                pass
+                return
+            self.redraws += 1
 
     # --- first run --------------------------------------------------------------------------
 
