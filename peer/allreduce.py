@@ -106,10 +106,10 @@ from hivemind.p2p import P2P
 from peer.allreduce_inbound import InboundMixin
 from peer.allreduce_round import Round
 from peer.allreduce_send import SendMixin, encode_chunks
-from peer.allreduce_wait import FINISHED_DROP, WaitMixin
+from peer.allreduce_wait import WaitMixin
 from peer.audit import Audits
 from peer.inbox import PendingFrames, StreamEnded, StreamGate, keep_recent
-from peer.quiet import DEADLINE_DROP, MEANS_DROP, QUIET_PUSH, QuietMembers
+from peer.quiet import DEADLINE_DROP, FINISHED_DROP, MEANS_DROP, QUIET_PUSH, QuietMembers
 from peer.ratelimit import RateLimiter
 from protocol.butterfly import HEAD_ROOM, chunk_elements
 from protocol.codecs import get_codec
@@ -249,6 +249,9 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         self._recent: OrderedDict[bytes, Round] = OrderedDict()  # finished rounds whose parts we forward
         self._side_tasks: set[asyncio.Task[None]] = set()  # forwards for finished rounds
         self._started = False
+        self.apart: deque[tuple[int, int, bytes]] = deque(maxlen=64)
+        """(fragment, round, group ID) of rounds that said agreed, and a member's final that came
+        after said it landed other parts: the node compares its state with the peers' (a repair)."""
         self.quiet = QuietMembers()
         """Peers that let us down in our last round with them (no push, no report or part, a bad
         frame): a short wait, and no slice in the groups we lead (``peer.quiet``)."""
@@ -394,7 +397,10 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         for i in self.quiet.judge(rnd):
             log.info("member silent through the round: a short wait for it next time peer=%s group=%s",
                      rnd.peer_ids[i], gid.hex())
-        self._tell_landed(rnd, [i for i in range(rnd.n) if i != me and i not in rnd.finals and i not in rnd.gone])
+        # our final to every member that has not told us it landed what we did: one that finished
+        # first and said agreed learns from it that it was wrong (Averager._found_apart)
+        self._tell_landed(rnd, [i for i in range(rnd.n) if i != me and rnd.finals.get(i) != rnd.landed
+                                and i not in rnd.gone])
         rnd.retire()
         self.audits.after(rnd, fallback, suspect=landing.inconsistent + rnd.unwitnessed())
         if rnd.undelivered:
@@ -407,10 +413,11 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         self.audits.hand_on(rnd, offences)
         self.audits.spread(rnd)
         result, rnd.result = rnd.result, rnd.result.new_empty(0)  # a finished round kept a while needs its frames
+        rnd.said_agreed = (rnd.settled() and not landing.disputed and not rnd.apart() and self._finals_in(rnd, conformed)
+                           and not rnd.undelivered)
         return AllReduceOutcome(result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, landing.partial, tuple(sorted(rnd.repaired)),
-                                rnd.settled() and not landing.disputed and not rnd.apart() and self._finals_in(rnd, conformed)
-                                and not rnd.undelivered,
+                                rnd.said_agreed,
                                 tuple(rnd.clipped),
                                 tuple(bytes(rnd.group.members[j]) for j in implausible), offences, tuple(conformed),
                                 kept_waiting)

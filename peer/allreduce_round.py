@@ -179,6 +179,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         self.reports: dict[int, tuple[bytes, ...]] = {}
         self.finals: dict[int, tuple[bytes, ...]] = {}  # member -> the parts it landed (its final report)
         self.landed: tuple[bytes, ...] = ()  # the parts we landed, once finished (our final report)
+        self.said_agreed = False  # what our outcome said (a final that comes after it may belie it)
         self.told: set[int] = set()  # members we sent our final report
         self.report_norms: dict[int, tuple[float, ...]] = {}  # member -> its slices' norms, as it reported them
         # part -> when two members other than its reducer had reported it held with one digest (one
@@ -278,12 +279,16 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         return lacking if held or self.only_quiet_others() else []
 
     def agreed_but_quiet(self) -> bool:
-        """The agreement is complete but for the reports of quiet members, and another member
-        reported, or every other member is quiet (``peer.quiet``)."""
+        """The agreement is complete but for the reports of quiet members, and parts that only
+        quiet members say they hold, and another member reported, or every other member is quiet
+        (``peer.quiet``)."""
         waiting = [i for i in self.took_part() if i not in self.reports]
-        if not waiting or any(i not in self.quiet for i in waiting) or self.unproven():
+        if any(i not in self.quiet for i in waiting) or self.unproven():
             return False
-        for j in self.wanted():  # a part we lack that only quiet members say they hold is not waited for
+        wanted = self.wanted()
+        if not waiting and not wanted:
+            return False  # complete (agreed)
+        for j in wanted:  # a part we lack that only quiet members say they hold is not waited for
             if any(r[j] and i not in self.quiet for i, r in (*self.reports.items(), *self.finals.items())):
                 return False
         return any(i != self.me and i not in waiting for i in self.reports) or self.only_quiet_others()

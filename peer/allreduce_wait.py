@@ -19,7 +19,6 @@ from protocol.messages_swarm import PartsHeld
 log = logging.getLogger("peer.allreduce")
 
 ELSEWHERE_GRACE = 0.1  # of deadline_s: a part others reported holding this long is not waited for
-FINISHED_DROP = "timeout:reduced part not sent to us, its reducer finished"  # (late: it may come forwarded)
 
 
 class WaitMixin:

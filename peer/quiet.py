@@ -87,6 +87,7 @@ MAX_QUIET = 4096  # peers remembered (the oldest marks go first)
 MAX_CUT_ROUNDS = 64  # finished rounds whose cut members a late push still clears
 DEADLINE_DROP = "timeout:slice not received in time"  # peer.allreduce's reason at the push deadline
 MEANS_DROP = "timeout:reduced part not received in time"  # and at the means' deadline
+FINISHED_DROP = "timeout:reduced part not sent to us, its reducer finished"  # (late: it may come forwarded)
 QUIET_PUSH = "timeout:slice not received, quiet: silent in our last round with it too"  # a quiet member cut
 QUIET_PART = "timeout:reduced part not received, quiet: silent in our last round with it too"  # in each phase
 
@@ -140,7 +141,12 @@ class QuietMembers:
                 continue  # we heard nobody else, and it took none of our frames: our own outage, perhaps
             reported = i in rnd.reports or i in rnd.finals
             refused = i in rnd.dropped and not rnd.dropped[i].startswith((*LATE, "unreachable"))
-            no_part = rnd.dropped.get(i) == MEANS_DROP and any(rnd.holds(j) for j in range(rnd.n) if j not in (i, rnd.me))
+            no_part = not rnd.holds(i) and (
+                rnd.dropped.get(i) == MEANS_DROP and any(rnd.holds(j) for j in range(rnd.n) if j not in (i, rnd.me))
+                # or it finished without sending us its part, and we asked for it (our report) through the
+                # agreement's whole deadline: a final that claims a part it never sends held every round
+                # to 2.5 D (a review's repro)
+                or rnd.dropped.get(i) == FINISHED_DROP and rnd.agree_timed_out)
             if i in rnd.pushers and reported and not refused and rnd.size(i) and rnd.holds(i):  # all its part
                 # (not an idle round: one that keeps its part to itself looks honest there)
                 self._heard(peer_id)

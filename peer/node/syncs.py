@@ -263,6 +263,13 @@ class SyncMixin:
             self._judge(_drain(audits.offences))
             for key, syncs in _drain(audits.suspended):  # already out of our groups (peer.distrust)
                 self.on_event({"event": "suspended", "peer": peer_id_from_public_key(key), "syncs": syncs})
+        for fragment, round_, _ in _drain(getattr(self.averager, "apart", ())):
+            # a round we took for agreed, belied by a member's final after it (Averager._found_apart):
+            # compare our state with the peers' at the next check, as after a round not agreed. Our
+            # copy is still the one our digests describe (no new lineage): compare at this round's too
+            log.warning("fragment=%d round=%d was not agreed after all: comparing our state with the peers'",
+                        fragment, round_)
+            self._repair_due = True
 
     def _await_beating(self, fut, swarm, timeout_s: float):
         """``fut.result(timeout_s)``, beating every heartbeat interval meanwhile. A landing can

@@ -13,7 +13,8 @@ from peer import inbox
 from peer.allreduce import Group
 from peer.inbox import keep_recent
 from peer.allreduce_round import Round
-from peer.allreduce_wait import FINISHED_DROP, WaitMixin
+from peer.allreduce_wait import WaitMixin
+from peer.quiet import FINISHED_DROP
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 from protocol.identity import Identity

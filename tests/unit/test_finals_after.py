@@ -1,0 +1,131 @@
+"""Finals after a round (peer.allreduce, phase 5): what each member landed reaches every other
+member, in the round or after it, so a member that said agreed and landed apart finds out and
+the node compares its state with the peers' (a repair), and a final that claims a part its
+reducer never sends costs one agreement deadline, not one every round. Real Averagers in one
+process (tests/unit/inprocess_group.py), one of them lying."""
+
+import asyncio
+import dataclasses
+
+import torch
+
+from protocol.envelope import seal
+from protocol.messages_swarm import PartsHeld, PushSlice
+from tests.unit.inprocess_group import InProcessGroup
+
+A, B, L = 0, 1, 2  # two honest members and a liar
+
+
+def apart_unnoticed(g: InProcessGroup, outs: dict, honest: list[int]) -> list[int]:
+    """Honest members that said agreed, hold another result than an honest member, and were not
+    told so after the round (``Averager.apart``)."""
+    base = outs[honest[0]].average
+    apart = any(not torch.equal(base, outs[i].average) for i in honest[1:])
+    return [i for i in honest if apart and outs[i].agreed and not g.averagers[i].apart]
+
+
+def test_a_member_that_said_agreed_learns_from_a_later_final_that_it_landed_apart():
+    """The liar reports one member a tiny norm of its push to A's part, the other the true one:
+    B's screen refuses A's honest mean of that part and falls back on it, A lands it, and A
+    said agreed (a review's repro: the screens' inputs are the reports each member got). B's
+    final now reaches A's finished round, which queues the round for the node's repair."""
+    async def go():
+        g = InProcessGroup(3, clip=2.0)
+        u = torch.ones(8) / 8 ** 0.5
+        g.vectors[A][:8], g.vectors[B][:8], g.vectors[L][:8] = 10 * u, u, 10 * u
+
+        async def policy(src, dst, data, v):
+            m = v.message
+            if src == L and dst == B and isinstance(m, PartsHeld) and not m.final:
+                norms = list(m.norms)
+                norms[A] = 1e-3
+                return [seal(dataclasses.replace(m, norms=tuple(norms)), g.keys[L])]
+            return [data]
+
+        g.policy = policy
+        outs = await g.run([A, B, L])
+        assert apart_unnoticed(g, outs, [A, B]) == []
+        flagged = [i for i in (A, B) if g.averagers[i].apart]
+        assert flagged == [i for i in (A, B) if not torch.equal(outs[A].average, outs[B].average)]
+        assert all(not g.round_of(i).said_agreed for i in flagged)  # said once
+
+    asyncio.run(go())
+
+
+def test_an_honest_round_queues_nothing_and_sends_each_final_once():
+    async def go():
+        g = InProcessGroup(3)
+        outs = await g.run([A, B, L])
+        assert all(o.agreed for o in outs.values())
+        assert all(torch.equal(outs[A].average, o.average) for o in outs.values())
+        assert not any(av.apart for av in g.averagers)
+        finals = [(s, d) for s, d, m in g.sent if isinstance(m, PartsHeld) and m.final]
+        assert len(finals) == len(set(finals))  # once per pair at most, also to members that finished first
+
+    asyncio.run(go())
+
+
+def test_a_final_claiming_a_part_its_reducer_never_sends_costs_one_agreement_deadline_not_every_round():
+    """The liar pushes, then tells each member in a final that it landed its own part (a digest
+    of nothing) and never sends that part: each member waited the agreement's deadline for it,
+    round after round, and never marked the liar quiet (a review's repro). Now the first such
+    round marks it, and the next waits only the quiet grace."""
+    async def go():
+        g = InProcessGroup(3)
+
+        async def policy(src, dst, data, v):
+            return [data] if src != L or isinstance(v.message, PushSlice) else []  # only its pushes
+
+        g.policy = policy
+        for round_ in (1, 2):
+            g.group = dataclasses.replace(g.group, round=round_, group_id=bytes([round_]) * 16)
+
+            async def liar(round_=round_):
+                await g.until(lambda: g.round_of(L) is not None and g.round_of(L).holds(A) and g.round_of(L).holds(B))
+                digests = list(g.round_of(L).digests())
+                digests[L] = b"\x42" * 32
+                for dst in (A, B):
+                    g.inject(L, dst, PartsHeld(run_id=g.group.run_id, fragment=0, round=round_,
+                                               group_id=g.group.group_id, digests=tuple(digests), final=True))
+
+            outs = await g.run([A, B, L], beside=liar)
+            for i in (A, B):
+                assert not outs[i].agreed and L in outs[i].fallback_parts
+                assert g.round_of(i).agree_timed_out == (round_ == 1)  # round 2: the quiet grace only
+                assert g.keys[L].peer_id in g.averagers[i].quiet
+            start, end = g.round_of(A).bounds[L]  # (a part fallen back on holds each member's own values)
+            keep = torch.ones_like(outs[A].average, dtype=torch.bool)
+            keep[start:end] = False
+            assert torch.equal(outs[A].average[keep], outs[B].average[keep])
+
+    asyncio.run(go())
+
+
+def test_a_later_final_of_a_proven_liar_or_one_that_matches_queues_nothing():
+    """Through the handler of a finished round that said agreed: a final equal to what we landed,
+    or one from the reducer of a part proven equivocated, says nothing about us; the first
+    believed final that differs queues the round once."""
+    async def go():
+        g = InProcessGroup(3)
+        outs = await g.run([A, B, L])
+        assert outs[A].agreed and g.round_of(A).said_agreed
+        av, rnd = g.averagers[A], g.round_of(A)
+
+        def final(i: int, digests) -> PartsHeld:
+            return PartsHeld(run_id=g.group.run_id, fragment=0, round=1, group_id=g.group.group_id,
+                             digests=tuple(digests), final=True)
+
+        other = list(rnd.landed)
+        other[L] = b""
+        rnd.finals.clear()  # (as if they had not come yet)
+        g.inject(B, A, final(B, rnd.landed))
+        rnd.convicted[L] = (b"m" * 32, b"n" * 32)  # (its two means)
+        g.inject(L, A, final(L, other))
+        assert not av.apart and rnd.said_agreed
+        del rnd.convicted[L]
+        del rnd.finals[L]
+        g.inject(L, A, final(L, other))
+        g.inject(L, A, final(L, other))
+        assert len(av.apart) == 1 and not rnd.said_agreed
+
+    asyncio.run(go())
