@@ -77,7 +77,7 @@ class CatchUpMixin:
         mine = min(self.stats.rounds, default=0)
         # behind by one round counts when joining, before our first download, or after we
         # averaged alone (we are the straggler); in lockstep, peers differ by one for a moment
-        lag = 1 if joining or not self._caught_up or self._repair_due else 2
+        lag = 1 if joining or not self._caught_up or (self._repair_due and not self._compare_only) else 2
         ahead = {k: hb.state_digest for k, hb in peers.items()
                  if hb.state_digest and min(hb.rounds, default=0) >= mine + lag}
         claimed = bool(ahead)  # before we doubt any: doubted claims are no sign that nobody is ahead

@@ -266,10 +266,12 @@ class SyncMixin:
         for fragment, round_, _ in _drain(getattr(self.averager, "apart", ())):
             # a round we took for agreed, belied by a member's final after it (Averager._found_apart):
             # compare our state with the peers' at the next check, as after a round not agreed. Our
-            # copy is still the one our digests describe (no new lineage): compare at this round's too
+            # copy is still the one our digests describe (no new lineage: compare at this round's
+            # too), and we landed with our group: not a straggler (catch-up's lag stays)
             log.warning("fragment=%d round=%d was not agreed after all: comparing our state with the peers'",
                         fragment, round_)
-            self._repair_due = True
+            if not self._repair_due:
+                self._repair_due, self._compare_only = True, True
 
     def _await_beating(self, fut, swarm, timeout_s: float):
         """``fut.result(timeout_s)``, beating every heartbeat interval meanwhile. A landing can

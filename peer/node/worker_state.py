@@ -78,7 +78,7 @@ class WorkerStateMixin:
             # never over a good checkpoint: keep it, and take the swarm's state at the next
             # chance (a repair compares our digest with what the other peers vouch for)
             log.error("not saving a checkpoint: %s; the last good one is kept", e)
-            self._repair_due = True
+            self._repair_due, self._compare_only = True, False
         finally:
             self._progress = None
 
@@ -110,6 +110,8 @@ class WorkerStateMixin:
     def _full_round(self, worker: Worker, last_ckpt: float) -> None:
         # a repair still due is kept until a peer at our rounds was compared with (at the first
         # check after a round, the others' heartbeats may not show that round yet)
+        if self._alone_this_round:
+            self._compare_only = False
         self._repair_due, self._alone_this_round = self._repair_due or self._alone_this_round, False
         self.ledger.record_round()
         every = self.cfg.eval_every_rounds

@@ -129,3 +129,22 @@ def test_a_later_final_of_a_proven_liar_or_one_that_matches_queues_nothing():
         assert len(av.apart) == 1 and not rnd.said_agreed
 
     asyncio.run(go())
+
+
+def test_the_node_compares_its_state_after_a_round_found_apart_and_does_not_take_itself_for_behind():
+    """The node's side (``SyncMixin._take_verdicts``): a round queued in ``Averager.apart`` makes a
+    repair due, as a comparison only: it landed with its group, so catch-up keeps taking peers one
+    round ahead for lockstep, not for a sign that it fell behind (which a lone landing is)."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from peer.node.syncs import SyncMixin
+
+    node = SimpleNamespace(averager=SimpleNamespace(apart=deque([(0, 7, b"g" * 16), (1, 7, b"h" * 16)])),
+                           _repair_due=False, _compare_only=False)
+    SyncMixin._take_verdicts(node)
+    assert node._repair_due and node._compare_only and not node.averager.apart
+    node._repair_due, node._compare_only = True, False  # a lone landing's repair already due stays one
+    node.averager.apart.append((0, 8, b"i" * 16))
+    SyncMixin._take_verdicts(node)
+    assert node._repair_due and not node._compare_only
