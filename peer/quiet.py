@@ -141,12 +141,13 @@ class QuietMembers:
                 continue  # we heard nobody else, and it took none of our frames: our own outage, perhaps
             reported = i in rnd.reports or i in rnd.finals
             refused = i in rnd.dropped and not rnd.dropped[i].startswith((*LATE, "unreachable"))
-            no_part = not rnd.holds(i) and (
-                rnd.dropped.get(i) == MEANS_DROP and any(rnd.holds(j) for j in range(rnd.n) if j not in (i, rnd.me))
-                # or it finished without sending us its part, and we asked for it (our report) through the
-                # agreement's whole deadline: a final that claims a part it never sends held every round
-                # to 2.5 D (a review's repro)
-                or rnd.dropped.get(i) == FINISHED_DROP and rnd.agree_timed_out)
+            # we waited the means' whole deadline for its part, or it finished without sending us its
+            # part and we asked for it (our report) through the agreement's whole deadline (a final
+            # that claims a part it never sends held every round to 2.5 D: a review's repro); and
+            # another reducer's part came (else we were late or cut off: a member that came after the
+            # others had finished marked every reducer)
+            no_part = not rnd.holds(i) and any(rnd.holds(j) for j in range(rnd.n) if j not in (i, rnd.me)) and (
+                rnd.dropped.get(i) == MEANS_DROP or rnd.dropped.get(i) == FINISHED_DROP and rnd.agree_timed_out)
             if i in rnd.pushers and reported and not refused and rnd.size(i) and rnd.holds(i):  # all its part
                 # (not an idle round: one that keeps its part to itself looks honest there)
                 self._heard(peer_id)

@@ -160,8 +160,11 @@ class AgreementMixin:
 
     def _believed(self, i: int) -> bool:
         """Whether member i's final counts: not banned, nor dropped from this round for a frame
-        that failed a check (a lie, not lateness)."""
-        return self.peer_ids[i] not in self.banned and self.dropped.get(i, "late").startswith(LATE + ("late",))
+        that failed a check (a lie; lateness, or a send of ours that failed, is none: a member
+        we could not reach was not believed, so one that landed apart from us and told us so
+        went unheard: a review's repro)."""
+        return self.peer_ids[i] not in self.banned and self.dropped.get(i, "late").startswith(
+            LATE + ("late", "unreachable"))
 
     def proof_wanted(self) -> list[tuple[int, int]]:
         """(member, part) pairs to send the proof of the part's equivocation to: every other

@@ -148,3 +148,39 @@ def test_the_node_compares_its_state_after_a_round_found_apart_and_does_not_take
     node.averager.apart.append((0, 8, b"i" * 16))
     SyncMixin._take_verdicts(node)
     assert node._repair_due and not node._compare_only
+
+
+def test_a_final_from_a_member_we_could_not_reach_still_tells_us_we_landed_apart():
+    """Our send to it failed (``unreachable``): a fault of the link, not a lie, so its final is
+    believed. It was not, and a member that said agreed and landed apart from it got no note (a
+    review's repro: one lost acknowledgement beside a liar)."""
+    async def go():
+        g = InProcessGroup(3)
+        await g.run([A, B, L])
+        av, rnd = g.averagers[A], g.round_of(A)
+        other = list(rnd.landed)
+        other[L] = b""
+        rnd.finals.clear()
+        rnd.dropped[B] = "unreachable:ConnectionError"
+        g.inject(B, A, PartsHeld(run_id=g.group.run_id, fragment=0, round=1, group_id=g.group.group_id,
+                                 digests=tuple(other), final=True))
+        assert len(av.apart) == 1
+
+    asyncio.run(go())
+
+
+def test_a_member_that_came_after_every_reducer_finished_marks_none_of_them_quiet():
+    """Every other reducer finished before our round began (their finals came first) and none of
+    their parts reached us by the agreement's deadline: we were late or cut off, not they. Only a
+    reducer whose part is missing while another's came is marked (the liar's case above)."""
+    from peer.quiet import FINISHED_DROP, QuietMembers
+    from tests.unit.test_finals import member
+
+    rnd = member(0)
+    for i in (1, 2):
+        rnd.pushers.add(i)
+        rnd.heard.add(i)
+        rnd.finals[i] = (b"a" * 32, b"b" * 32, b"c" * 32)
+        rnd.drop(i, FINISHED_DROP)
+    rnd.agree_timed_out = True
+    assert QuietMembers().judge(rnd) == []
