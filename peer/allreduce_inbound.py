@@ -91,8 +91,8 @@ class InboundMixin:
             rnd = self._recent[gid]
             rnd.accept(peer_id, v, nbytes, data)  # a member late to the agreement: it may lack a part
             self._forward(rnd, self._side_tasks)
-            if rnd.said_agreed and any(i not in rnd.convicted for i in rnd.apart()):  # (not a proven liar's)
-                self._found_apart(rnd)
+            if rnd.said_agreed and (apart := [i for i in rnd.apart() if i not in rnd.convicted]):  # (not a proven liar's)
+                self._found_apart(rnd, apart)
             if not v.message.final and peer_id in rnd.index:  # and it should know what we landed, again if
                 self._tell_landed(rnd, [rnd.index[peer_id]], again=True)  # it reports (our final may be lost)
         elif gid in self._finished:
@@ -108,7 +108,7 @@ class InboundMixin:
             return None  # dropped at a limit of ours: its stream's end says nothing about the sender
         return None if isinstance(v.message, PartsHeld) else (gid, type(v.message), v.message.part)
 
-    def _found_apart(self, rnd: Any) -> None:
+    def _found_apart(self, rnd: Any, apart: list[int]) -> None:
         """A round we said agreed, and a believed member's final came after it saying it landed
         other parts (``Round.apart``): our agreement was wrong (its reports to us and to the others
         differed, or a part reached it after we finished). Say so once; the node compares its state
@@ -119,7 +119,7 @@ class InboundMixin:
         g = rnd.group
         self.apart.append((g.fragment, g.round, bytes(g.group_id)))
         log.warning("a member's final says it landed other parts than we did after we said agreed: comparing "
-                    "states peers=%s group=%s", ",".join(rnd.peer_ids[i] for i in rnd.apart() if i not in rnd.convicted), g.group_id.hex())
+                    "states peers=%s group=%s", ",".join(rnd.peer_ids[i] for i in apart), g.group_id.hex())
 
     def _stream_ended(self, peer_id: str, carried: set[tuple[bytes, type, int]]) -> None:
         """The peer closed a stream that carried its slices or parts: any it left short stay so."""

@@ -1,6 +1,6 @@
 """A group of real ``peer.allreduce.Averager``s in one process, for unit tests of a whole
 round: each member runs the real ``Averager.allreduce``; its ``_send_frames`` hands the frames
-to the receiver's ``_on_frame`` (and ``_stream_ended``) through ``Group3.policy``, which lets a
+to the receiver's ``_on_frame`` (and ``_stream_ended``) through ``InProcessGroup.policy``, which lets a
 test make one member lie (rewrite, swallow or hold its frames) or add frames signed with its
 key (``inject``). No network, no p2p daemon: the wire format and the round code are the real ones."""
 
