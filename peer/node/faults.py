@@ -26,6 +26,10 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
 - ``ghost``: joins every round another peer joins (a valid ``JoinGroup``; it follows the group
   record, or writes it as a leader) and then sends nothing at all, nor answers an audit; it
   averages its own rounds alone, at the others' pace (``make_ghost``);
+- ``misreport``: its report (``PartsHeld``) to one member says its pushes had norms 1000 times
+  smaller, and the others get the true one: different words to different members. The member
+  lied to may screen out an honest reducer's mean that the others land (THREAT_MODEL.md, "Different
+  words to different members": found after the round by the finals, and repaired);
 - ``nolead``: with ``ghost``, writes no record of a group it leads (ranked first in its batch):
   its followers find none by their deadline and go on without it
   (``peer.matchmaking.Matchmaker._without_leader``).
@@ -55,7 +59,7 @@ from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 
 LIES = frozenset({"push1000", "push1e30", "mean1000", "negate", "equivocate", "withhold", "replay", "short", "mute",
-                  "disown", "blind", "ghost", "hush", "nolead"})
+                  "disown", "blind", "ghost", "hush", "nolead", "misreport"})
 
 
 def parse_lies(fault: str) -> frozenset[str]:
@@ -117,6 +121,16 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
         async def no_report(rnd, i, frames):
             return None
         averager._report = no_report
+    if "misreport" in lies:
+        report = averager._report
+
+        async def misreporting(rnd, i, frames):
+            if i == (rnd.me + 1) % rnd.n:
+                msg = verify(b"".join(bytes(x) for x in frames[0])).message
+                frames = [[seal(dataclasses.replace(msg, norms=tuple(x * 1e-3 for x in msg.norms)),
+                                averager.identity)]]
+            return await report(rnd, i, frames)
+        averager._report = misreporting
     if "mute" in lies or "hush" in lies:
         averager.audits.answer = lambda peer_id, msg: None
 

@@ -91,11 +91,13 @@ def _agreed(seen, honest) -> None:
 
 HONEST = (0, 1, 2)
 COMBINATIONS = {
-    # pushes x1000, its reduced part x1000 to everyone, and withheld from one member: clipped,
-    # refused by every member alike (the one withheld from too, at once, not at the deadline)
+    # pushes x1000, its reduced part x1000 to everyone, and withheld from one member, whom its
+    # report also tells that its pushes were 1000 times smaller than it tells the others: clipped,
+    # refused by every member alike (the one withheld from and lied to too, at once, not at the
+    # deadline)
     # (a member may ban it first, on the proof another member hands on, before its own screen's
     # distrust: either way it stops grouping with it)
-    "lie:push1000+mean1000+withhold": [(any, "clipped slice"), (any, "reduced part too large"),
+    "lie:push1000+mean1000+withhold+misreport": [(any, "clipped slice"), (any, "reduced part too large"),
                                        (all, ("not grouping with peer={liar}", "banned peer={liar}"))],
     # pushes of 1e30, each 256 elements short and sent with the previous round's, and another
     # mean to one member than to the others: the short chunk, off the grid, drops it at once

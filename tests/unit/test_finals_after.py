@@ -9,6 +9,7 @@ import dataclasses
 
 import torch
 
+from peer.node.faults import make_liar, parse_lies
 from protocol.envelope import seal
 from protocol.messages_swarm import PartsHeld, PushSlice
 from tests.unit.inprocess_group import InProcessGroup
@@ -48,6 +49,27 @@ def test_a_member_that_said_agreed_learns_from_a_later_final_that_it_landed_apar
         flagged = [i for i in (A, B) if g.averagers[i].apart]
         assert flagged == [i for i in (A, B) if not torch.equal(outs[A].average, outs[B].average)]
         assert all(not g.round_of(i).said_agreed for i in flagged)  # said once
+
+    asyncio.run(go())
+
+
+def test_in_a_group_of_four_a_tiny_norm_told_to_one_member_refuses_no_honest_part():
+    """The same lie from a whole node's liar (``SWARMSTREAM_FAULT=lie:misreport``: its report to
+    the member after it says every push of it was 1000 times smaller) in a group of four, the
+    vectors as above: the norm screen bounds a part by the largest norm its other contributors
+    report, and two of them are honest, so nothing honest is refused and all land alike."""
+    async def go():
+        g = InProcessGroup(4, clip=2.0)
+        u = torch.ones(8) / 8 ** 0.5
+        liar = 3
+        g.vectors[0][:8], g.vectors[1][:8], g.vectors[2][:8], g.vectors[liar][:8] = 10 * u, u, u, 10 * u
+        make_liar(g.averagers[liar], parse_lies("lie:misreport"))
+        outs = await g.run([0, 1, 2, liar])
+        reports = {d: m.norms for s, d, m in g.sent if s == liar and isinstance(m, PartsHeld) and not m.final}
+        assert reports[0] == tuple(x * 1e-3 for x in reports[1]) and reports[1] == reports[2]  # the lie was told
+        assert all(outs[i].agreed for i in (0, 1, 2))
+        assert all(torch.equal(outs[0].average, outs[i].average) for i in (1, 2))
+        assert not any(g.averagers[i].apart for i in (0, 1, 2))
 
     asyncio.run(go())
 
