@@ -43,6 +43,9 @@ class SimulationConfig:
     liar_scale: float = 0.0
     """If not 0, the last worker lies: it sends its pseudo-gradients multiplied by this (a
     validly signed member pushing x1000); its own copy lands the true average like the others."""
+    liar_fill: float = 0.0
+    """If not 0, the last worker lies: every element of its pseudo-gradients is this value (1e30:
+    a constant vector, which clipped to an honest norm still points everywhere alike)."""
     fallback_every: int = 0
     """If not 0, every this many syncs one part of the fragment (reducer ``j``, a different one
     each time) gets no agreed mean, as in the swarm when its reducer fails or a ghost leads the
@@ -55,8 +58,8 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         if self.workers < 1 or self.steps < 1:
             raise ConfigError("simulation needs workers >= 1 and steps >= 1")
-        if not math.isfinite(self.liar_scale):
-            raise ConfigError("liar_scale must be finite")
+        if not (math.isfinite(self.liar_scale) and math.isfinite(self.liar_fill)):
+            raise ConfigError("liar_scale and liar_fill must be finite")
         if self.eval_every < 0 or self.eval_batches < 1 or self.fallback_every < 0:
             raise ConfigError("eval_every and fallback_every must be >= 0, eval_batches >= 1")
 
@@ -174,6 +177,8 @@ class Simulation:
                 deltas, weights = map(list, zip(*(w.begin_sync(p) for w in workers)))
                 if self.cfg.liar_scale:
                     deltas[-1] = deltas[-1] * self.cfg.liar_scale
+                if self.cfg.liar_fill:
+                    deltas[-1] = torch.full_like(deltas[-1], self.cfg.liar_fill)
                 avg, sent = allreduce(deltas, weights, self.codec, tc.sync.clip)
                 self._account(sent)
                 kept: tuple = ()

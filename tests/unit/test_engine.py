@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from peer.simulation import Simulation, SimulationConfig, allreduce
 from peer.model import Transformer
 from peer.worker import Worker, evaluate, lr_at
-from protocol.butterfly import bytes_sent, clip_scales, max_idle, mean_norm_bound, slice_bounds, slice_norm
+from protocol.butterfly import FAR, bytes_sent, clip_scale, clip_scales, max_idle, mean_norm_bound, slice_bounds, slice_norm
 from protocol.codecs import get_codec
 from protocol.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, SyncConfig, TrainConfig
 
@@ -163,6 +163,27 @@ def test_clipping_leaves_similar_norms_alone_and_bounds_a_liar_by_the_honest_nor
     assert clip_scales(norms, 0.0) == [1.0] * len(norms)  # clip 0: the plain mean
 
 
+@given(st.floats(0.0, 1e6), st.floats(1e-6, 1e3), st.floats(1.0, 100.0))
+def test_a_contribution_far_beyond_the_median_counts_for_nothing_and_the_scale_is_continuous(norm, median, clip):
+    """Up to clip x median a contribution is kept whole; then brought down to that norm; beyond
+    FAR x max(1, clip) x median its scale falls linearly, to 0 at twice that. Never above 1, never
+    a larger clipped norm than the clip allows, non-decreasing in the median (so a screen that
+    knows the median within a range takes its lowest end), and continuous (an auditor's rounding
+    of a norm moves the scale by a rounding)."""
+    s = clip_scale(norm, median, clip)
+    assert 0.0 <= s <= 1.0 and norm * s <= clip * median * (1 + 1e-12)
+    far = FAR * clip * median
+    if norm <= clip * median:
+        assert s == 1.0
+    elif norm <= far:
+        assert s == pytest.approx(clip * median / norm, rel=1e-12)
+    elif norm >= 2 * far:
+        assert s == 0.0
+    assert clip_scale(norm, median * 1.5, clip) >= s  # a larger median never scales it down more
+    for eps in (1e-9, -1e-9):  # no jump anywhere, at the bends either
+        assert abs(clip_scale(norm * (1 + eps), median, clip) - s) <= 1e-6
+
+
 def test_a_liar_in_the_simulated_allreduce_moves_the_clipped_mean_a_bounded_amount():
     g = torch.Generator().manual_seed(5)
     vecs = [torch.randn(1000, generator=g) for _ in range(3)] + [torch.full((1000,), 1e30)]
@@ -174,6 +195,9 @@ def test_a_liar_in_the_simulated_allreduce_moves_the_clipped_mean_a_bounded_amou
     for s, e in slice_bounds(1000, 4):
         bound = 2.0 * max(float(v[s:e].norm()) for v in vecs[:3]) / 4
         assert float((robust[s:e] - honest[s:e]).norm()) <= bound * (1 + 1e-5)
+    # far beyond every honest norm, its direction is not kept either: the mean is the honest
+    # members' (over all four weights), to the last rounding
+    assert torch.allclose(robust, honest, rtol=1e-6, atol=1e-6)
     same, _ = allreduce(vecs[:3], [1.0, 2.0, 3.0], codec, clip=2.0)  # honest: clipping changes no bit
     assert torch.equal(same, allreduce(vecs[:3], [1.0, 2.0, 3.0], codec)[0])
 
