@@ -127,6 +127,10 @@ class CatchUpMixin:
         if len(agree) + len(differ) == 1:
             return  # nobody's heartbeat shows rounds we passed yet: compare at a later check
         self._repair_tries += 1
+        if take and len(differ) == len(agree) and len(agree) + len(differ) <= len(peers) \
+                and self._repair_tries < REPAIR_TRIES:
+            return  # a tie that a peer not compared yet may break: any one key, a liar's too, ties
+            # with a lone peer, and the tie goes to the smaller key (a ghost that averaged alone)
         if not take:
             # final once every live peer was compared (or after REPAIR_TRIES checks): a peer not
             # compared yet may tip it, and a kept minority copy would never be repaired

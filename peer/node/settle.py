@@ -60,7 +60,8 @@ class SettleMixin:
         says from now on), the copy the most hold wins, a tie going to the smallest key's
         (``choose_digest``: the same choice on every peer); a node holding another downloads
         that copy (only that digest, from its holders; checked as a repair is: finite, near
-        ours). It downloads again only to a copy held by strictly more peers than the one it
+        ours), once nobody is on the way to our rounds (or at the last heartbeat before the
+        deadline below). It downloads again only to a copy held by strictly more peers than the one it
         last took (``final_vote``), in two tries each: peers still on their way may turn a tie
         into a majority (two peers that averaged alone first, three that averaged together
         after), and a liar, which adds one holder to a copy, cannot walk us more than once per
@@ -129,7 +130,12 @@ class SettleMixin:
             best, holders, take = final_vote(done, me, self.state_digest, taken)
             if target != (best, len(holders)):
                 target, tries = (best, len(holders)), 0
-            if take and now < deadline:
+            # not while peers are on their way, until the last heartbeat before the deadline:
+            # they may hold our copy (partners of our last round, finishing after us), and a
+            # copy taken now counts us as its holder for those who come later. A ghost that
+            # averaged its rounds alone won a tie with the first honest finisher by its key, and
+            # every honest peer after it ended on the ghost's model (a review's runs, 2 of 19)
+            if take and now < deadline and (not on_way or now >= deadline - swarm.heartbeat_interval_s):
                 log.warning("our final copy differs from the one %d of %d peers finished at rounds %s hold; "
                             "downloading theirs", len(holders), len(done) + 1, list(mine))
                 tries += 1

@@ -282,3 +282,36 @@ def test_a_restarted_creator_catches_up_with_the_peer_that_went_on():
     node._trusted = frozenset({me})
     node._check_agreement(SWARM, joining=True)
     assert node.downloads == [[other]]  # a swarm of two: one voucher
+
+
+def test_a_repair_does_not_take_a_tie_with_one_peer_while_others_are_not_compared_yet():
+    """Found by a review's whole-node runs: after a lone landing, the only heartbeat at our
+    rounds was a ghost's (a key that joins groups, sends nothing and averages alone), a tie
+    that its smaller key won, and the node set out to download the ghost's model while its
+    partners, one landing on, held ours. A tie waits for the peers not compared yet."""
+    ghost, a, c = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+    node = Agreeing([], rounds=(10, 10))
+    node._caught_up, node._repair_due, node._compare_only, node._repair_tries = True, True, False, 0
+    node._digests = {(10, 10): b"ours"}
+    on_way = {k: SimpleNamespace(rounds=(10, 9), state_digest=b"before") for k in (a, c)}
+    node._peers = {ghost: SimpleNamespace(rounds=(10, 10), state_digest=b"ghost's"), **on_way}
+    node._check_agreement(SWARM)
+    assert node.downloads == [] and node._repair_due  # the tie waits
+    node._peers = {ghost: node._peers[ghost], a: SimpleNamespace(rounds=(10, 10), state_digest=b"ours"), c: on_way[c]}
+    node._check_agreement(SWARM)
+    assert node.downloads == []  # two of three hold ours: kept
+    node._peers[c] = SimpleNamespace(rounds=(10, 10), state_digest=b"ours")
+    node._check_agreement(SWARM)
+    assert node.downloads == [] and not node._repair_due  # every peer compared: done
+
+
+def test_a_tie_between_two_lone_peers_is_still_broken_once_everyone_was_compared():
+    """The tie's rule is unchanged where nobody else can break it: two peers that each averaged
+    alone converge on the copy of the smaller key."""
+    other = b"\x01" * 32
+    node = Agreeing([], rounds=(10, 10))
+    node._caught_up, node._repair_due, node._compare_only, node._repair_tries = True, True, False, 0
+    node._digests = {(10, 10): b"ours"}
+    node._peers = {other: SimpleNamespace(rounds=(10, 10), state_digest=b"theirs")}
+    node._check_agreement(SWARM)
+    assert node.downloads == [[other]]

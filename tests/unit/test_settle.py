@@ -178,3 +178,32 @@ def test_a_suspended_peer_still_votes_on_the_final_copy():
     with patch("peer.node.settle.SETTLE_POLL_S", 0.0):
         node._settle_copy(SWARM)
     assert node.asked == [b"Y"] and node.state_digest == b"Y"
+
+
+def test_a_finisher_does_not_take_a_tie_while_its_partners_are_on_their_way():
+    """Found by a review's whole-node runs (2 of 19 with a ghost): the first honest finisher saw
+    only a ghost finished at its rounds (its own model, trained alone), lost the tie to the
+    ghost's smaller key and took that model; each honest partner finishing after it then saw
+    two holders of it and took it too. A take waits while peers are on their way to our rounds:
+    here the partners come holding our copy, and nothing is downloaded."""
+    node = Finisher(B, b"Y", [{L: finished(b"G", 1)}, {L: finished(b"G", 1)},
+                              {L: finished(b"G", 1), A: finished(b"Y", 1), C: finished(b"Y", 1)}], serves={b"G"})
+    node._partners = {A: time.monotonic(), C: time.monotonic()}
+    swarm = SimpleNamespace(allreduce_timeout_s=0.2, heartbeat_interval_s=0.2, heartbeat_ttl_s=10.0,
+                            state_chunk_timeout_s=5.0)
+    with patch("peer.node.settle.SETTLE_POLL_S", 0.01):
+        node._settle_copy(swarm)  # to the deadline: the ghost holds another copy to the end
+    assert node.asked == [] and node.state_digest == b"Y"
+
+
+def test_a_finisher_still_takes_the_others_copy_at_the_last_heartbeat_if_a_peer_never_comes():
+    """One on its way that never finishes (or a liar saying it trains at our rounds) holds the
+    take back only until the last heartbeat before the deadline: a tie with a finished peer is
+    still broken then, so two honest copies do not stay apart."""
+    swarm = SimpleNamespace(allreduce_timeout_s=0.2, heartbeat_interval_s=0.2, heartbeat_ttl_s=10.0,
+                            state_chunk_timeout_s=5.0)
+    coming = SimpleNamespace(state="training", rounds=MINE, state_digest=b"", sent_at=1)
+    node = Finisher(B, b"Y", [{A: finished(b"X", 1), C: coming}], serves={b"X"})
+    with patch("peer.node.settle.SETTLE_POLL_S", 0.01):
+        node._settle_copy(swarm)
+    assert node.asked == [b"X"] and node.state_digest == b"X"
