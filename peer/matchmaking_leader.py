@@ -65,7 +65,11 @@ class LeaderlessMixin:
         if late is not None:  # one read for both: a record that landed since our last look is followed, not
             # raced; unless the member ranked next, which did not see it, leads all the rest
             return await self._after_deadline(late, fragment, round, numel, codec, seed, mine, joins, now)
-        led = [f for f in read if f.members[0] == leader]
+        # a record of a leader we distrust takes nobody: we refuse it, and so does every member
+        # that banned it with us (an audit's proof is handed on); one that still follows it is
+        # dropped from the rest's group at its deadline. Counting its members as taken left
+        # nobody to go on with, and each member averaged alone (a review's whole-node runs)
+        led = [f for f in read if f.members[0] == leader and leader not in self.distrusted]
         taken = {k for f in led for k, w in zip(f.members, f.weights) if k in joins and joins[k].weight == w}
         rest = tuple(k for k in mine[1:] if k not in taken)
         if me not in rest or len(rest) < 2:

@@ -94,6 +94,33 @@ def test_the_rest_of_a_group_whose_leader_wrote_no_record_to_follow_average_with
         (everyone[1:], group_id_of(SEED, everyone[1:]), (), (1.0,) * 4)}
 
 
+def test_the_rest_of_a_group_whose_leader_we_banned_after_the_batch_average_without_it():
+    """Found by a review's whole-node runs: a liar ranked first was in the batch, wrote a valid
+    record of the whole group, and was banned (an audit's proof handed on) while its followers
+    waited for that record: they refused it, and counted every member it named as taken by it,
+    so nobody was left to go on with and each averaged alone (three copies apart, then
+    repairs). A record of a leader we distrust takes nobody: the rest go on without it."""
+    honest, liar, dht, everyone, now = _joined_liar_first(4)
+    full = record(liar, everyone, (1.0,) * 5, 8)
+    asyncio.run(dht.store(groups_key(RUN_ID, 0, ROUND), seal(full, liar), now + 100, subkey=liar.public_key))
+    sw = SwarmConfig(matchmaking_timeout_s=T, group_size=8)
+    mms = [Matchmaker(dht, h, RUN_ID, sw, poll_s=0.05) for h in honest]
+    for mm in mms:  # the ban comes once the batch is formed, before the leader's record is read
+        mine = mm._mine
+
+        async def banning(*args, _mm=mm, _mine=mine, **kw):
+            _mm.distrusted.ban(liar.public_key)
+            return await _mine(*args, **kw)
+        mm._mine = banning
+
+    async def all_form():
+        return await asyncio.gather(*(m.form_group(0, ROUND, 1.0, NUMEL, "fp32") for m in mms))
+
+    got = asyncio.run(all_form())
+    assert all(g is not None for g in got), got
+    assert {g.members for g in got} == {everyone[1:]}
+
+
 def _joined_liar_first(n_honest: int):
     honest, liar = keys_ranked(n_honest, first=True)
     dht = MemoryDHT()
