@@ -240,10 +240,14 @@ def screen_mean(norm: float, error: float, clip: float, reducer_weight: float,
     return any(fits(r) for r in speaking) if speaking else fits(None)
 
 
-FAR = 5.0
-"""A contribution beyond ``FAR x max(1, clip)`` times the lower median norm is no honest
-pseudo-gradient of the round (honest ones stay within ``clip``: ``clip_scale``), so its
-direction is not kept either: its scale falls linearly to 0 at twice that."""
+FAR = 25.0
+"""A contribution beyond ``FAR x max(1, clip)`` times the lower median norm (50x by default) is
+no honest pseudo-gradient of the round, so its direction is not kept either: its scale falls
+linearly to 0 at twice that (``clip_scale``). Honest norms of one round stay within ``clip`` of
+each other, but a member that managed few of its inner steps (a slow follower hands over what
+it did) pushes a far smaller one, and the lower median of a group of two or four may be its:
+a first version tapered from 10x and gave a fast member 20x the slow one's norm no weight at
+all (a review). x1000 and 1e30 are far beyond either."""
 
 
 def clip_scale(norm: float, median: float, clip: float) -> float:

@@ -245,8 +245,8 @@ class SyncConfig:
     clip: float = 2.0
     """Robust averaging: each reducer scales a member's slice down to at most ``clip`` times
     the lower median of the slices' norms before taking the mean, so one member cannot push
-    the average arbitrarily far, and gives a slice far beyond that (over ``5 x clip`` times the
-    median, none at ``10 x clip``) less weight, to none (``protocol.butterfly.clip_scale``; see
+    the average arbitrarily far, and gives a slice far beyond that (over ``25 x clip`` times the
+    median, none at ``50 x clip``) less weight, to none (``protocol.butterfly.clip_scale``; see
     docs/THREAT_MODEL.md). 0 takes the plain weighted mean."""
     audit: float = 0.1
     """Chance that a member audits each other reducer's mean after a round: it fetches the

@@ -126,11 +126,16 @@ class CatchUpMixin:
                                           {k: (tuple(hb.rounds), hb.state_digest) for k, hb in peers.items()})
         if len(agree) + len(differ) == 1:
             return  # nobody's heartbeat shows rounds we passed yet: compare at a later check
+        # a tie that a peer on its way to the rounds we passed may break: any one key, a liar's
+        # too, ties with a lone peer, and the tie goes to the smaller key (a ghost that averaged
+        # alone). Counted apart from the repair's tries, which a wait must not use up
+        coming = any(k not in agree and k not in differ
+                     and 0 < sum(self.stats.rounds) - sum(hb.rounds) <= 2 * len(hb.rounds) for k, hb in peers.items())
+        if take and len(differ) == len(agree) and coming and self._tie_waits < REPAIR_TRIES:
+            self._tie_waits += 1
+            return
+        self._tie_waits = 0
         self._repair_tries += 1
-        if take and len(differ) == len(agree) and len(agree) + len(differ) <= len(peers) \
-                and self._repair_tries < REPAIR_TRIES:
-            return  # a tie that a peer not compared yet may break: any one key, a liar's too, ties
-            # with a lone peer, and the tie goes to the smaller key (a ghost that averaged alone)
         if not take:
             # final once every live peer was compared (or after REPAIR_TRIES checks): a peer not
             # compared yet may tip it, and a kept minority copy would never be repaired
@@ -390,7 +395,7 @@ class CatchUpMixin:
         forget them, also those of a publish still under way."""
         self._lineage += 1
         self._digests.clear()
-        self._repair_tries = 0  # a repair due compares this copy afresh
+        self._repair_tries = self._tie_waits = 0  # a repair due compares this copy afresh
 
     def _harvest_published(self, wait_s: float = 0.0) -> None:
         """Take the digests of the states we published, in order, as far as they are served:

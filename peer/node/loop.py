@@ -184,6 +184,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             self._repair_due = False  # the last full round had a lone sync: compare with the majority
             self._compare_only = False  # the repair due is a comparison only: no lone landing, not behind
             self._repair_tries = 0  # checks at which the donors of a due repair were not at our rounds
+            self._tie_waits = 0  # checks at which a repair's tie waited for a peer on its way to break it
             self._trusted = frozenset({self.signed.manifest.creator})  # its word on the state is enough alone
             self._refused_claims: set[bytes] = set()  # state digests claimed ahead by too few peers
             self._anchors: dict[bytes, tuple[float, int]] = {}  # key -> (when, wall time; our rounds' sum) it last averaged with us

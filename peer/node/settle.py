@@ -53,22 +53,21 @@ class SettleMixin:
 
     def _settle_copy(self, swarm) -> None:
         """Finished (a finish, or ``--rounds``): before we go, end on the copy that the peers
-        finished at our rounds hold. A run that has ended has no later round to mix copies
-        again or to repair: two peers that averaged their last round apart (alone under load,
-        or in different groups) would keep different final models. Among us and the peers
-        whose heartbeat says they finished at our exact rounds (state ``finished``, which ours
-        says from now on), the copy the most hold wins, a tie going to the smallest key's
-        (``choose_digest``: the same choice on every peer); a node holding another downloads
-        that copy (only that digest, from its holders; checked as a repair is: finite, near
-        ours), once nobody is on the way to our rounds (or at the last heartbeat before the
-        deadline below). It downloads again only to a copy held by strictly more peers than the one it
-        last took (``final_vote``), in two tries each: peers still on their way may turn a tie
-        into a majority (two peers that averaged alone first, three that averaged together
-        after), and a liar, which adds one holder to a copy, cannot walk us more than once per
-        finisher. Holders that did not serve the copy they claim in two tries (a liar's made-up
-        digest that won a tie, or peers gone) are left out of the vote from then on. Published
-        states carry the step their rounds imply (``SyncSchedule.step_of``), so one copy has
-        one digest on every peer.
+        finished at our rounds hold. A run that has ended has no later round to mix copies again or
+        to repair: two peers that averaged their last round apart (alone under load, or in different
+        groups) would keep different final models. Among us and the peers whose heartbeat says they
+        finished at our exact rounds (state ``finished``, which ours says from now on), the copy the
+        most hold wins, a tie going to the smallest key's (``choose_digest``: the same choice on
+        every peer); a node holding another downloads that copy (only that digest, from its holders;
+        checked as a repair is: finite, near ours); a tie (won by a key) only once no partner of our
+        last rounds is on its way to them (or at the last heartbeat before the deadline below). It
+        downloads again only to a copy held by strictly more peers than the one it last took
+        (``final_vote``), in two tries each: peers still on their way may turn a tie into a majority
+        (two peers that averaged alone first, three that averaged together after), and a liar, which
+        adds one holder to a copy, cannot walk us more than once per finisher. Holders that did not
+        serve the copy they claim in two tries (a liar's made-up digest that won a tie, or peers
+        gone) are left out of the vote from then on. Published states carry the step their rounds
+        imply (``SyncSchedule.step_of``), so one copy has one digest on every peer.
 
         We beat so that the others see our final digest, and go when every such peer shows the
         winner, nobody is still on the way to our rounds (``_on_way_to``) and nobody is
@@ -111,6 +110,7 @@ class SettleMixin:
             except Exception as e:  # a DHT read under load: conclude nothing from it
                 log.info("could not read the peers to compare final copies reason=%r", e)
                 read = None
+            now = time.monotonic()  # a read under load may take longer than a heartbeat interval
             for k, hb in (read or {}).items():
                 if k == me or banned(k):
                     continue
@@ -130,12 +130,17 @@ class SettleMixin:
             best, holders, take = final_vote(done, me, self.state_digest, taken)
             if target != (best, len(holders)):
                 target, tries = (best, len(holders)), 0
-            # not while peers are on their way, until the last heartbeat before the deadline:
-            # they may hold our copy (partners of our last round, finishing after us), and a
-            # copy taken now counts us as its holder for those who come later. A ghost that
-            # averaged its rounds alone won a tie with the first honest finisher by its key, and
-            # every honest peer after it ended on the ghost's model (a review's runs, 2 of 19)
-            if take and now < deadline and (not on_way or now >= deadline - swarm.heartbeat_interval_s):
+            # a tie is not taken while partners of our last rounds are on their way, until the
+            # last heartbeat before the deadline: they may hold our copy, and a copy taken now
+            # counts us as its holder for those who come later. A ghost that averaged its rounds
+            # alone won a tie with the first honest finisher by its key, and every honest peer
+            # after it ended on the ghost's model (a review's runs, 2 of 19). A majority is taken
+            # at once, and only partners hold a tie back: a stranger saying it is on its way, then
+            # finished with the other copy, could make two finishers decide at different moments
+            # on different votes (a review of the first version, which held any take back)
+            tie = take and len(holders) == 1 + sum(d == self.state_digest for d in done.values())
+            held = tie and any(k in self._partners for k in on_way) and now < deadline - swarm.heartbeat_interval_s
+            if take and now < deadline and not held:
                 log.warning("our final copy differs from the one %d of %d peers finished at rounds %s hold; "
                             "downloading theirs", len(holders), len(done) + 1, list(mine))
                 tries += 1

@@ -111,6 +111,7 @@ class Agreeing(CatchUpMixin):
         self._trusted, self._peers, self._reads = frozenset(), {}, list(reads)
         self.matchmaker = SimpleNamespace(distrusted=Distrust())
         self._caught_up = self._repair_due = False
+        self._repair_tries = self._tie_waits = 0
         self._in_step_at = self._paused_at = -math.inf
         self.downloads: list = []
         self.net = SimpleNamespace(call=lambda read, timeout: read)
@@ -297,6 +298,7 @@ def test_a_repair_does_not_take_a_tie_with_one_peer_while_others_are_not_compare
     node._peers = {ghost: SimpleNamespace(rounds=(10, 10), state_digest=b"ghost's"), **on_way}
     node._check_agreement(SWARM)
     assert node.downloads == [] and node._repair_due  # the tie waits
+    assert node._repair_tries == 0  # a wait uses none of the repair's tries (each a try at our rounds)
     node._peers = {ghost: node._peers[ghost], a: SimpleNamespace(rounds=(10, 10), state_digest=b"ours"), c: on_way[c]}
     node._check_agreement(SWARM)
     assert node.downloads == []  # two of three hold ours: kept
@@ -313,5 +315,20 @@ def test_a_tie_between_two_lone_peers_is_still_broken_once_everyone_was_compared
     node._caught_up, node._repair_due, node._compare_only, node._repair_tries = True, True, False, 0
     node._digests = {(10, 10): b"ours"}
     node._peers = {other: SimpleNamespace(rounds=(10, 10), state_digest=b"theirs")}
+    node._check_agreement(SWARM)
+    assert node.downloads == [[other]]
+
+
+def test_a_repair_takes_a_tie_at_once_when_no_peer_is_on_its_way_to_our_rounds():
+    """Only a peer a landing or two behind us may come to the rounds we compare at; one far
+    behind (a slow follower) or one ahead does not hold the tie back (a review: every key in the
+    view did, and the waits used up the repair's tries)."""
+    other, far, ahead = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+    node = Agreeing([], rounds=(10, 10))
+    node._caught_up, node._repair_due, node._compare_only = True, True, True
+    node._digests = {(10, 10): b"ours"}
+    node._peers = {other: SimpleNamespace(rounds=(10, 10), state_digest=b"theirs"),
+                   far: SimpleNamespace(rounds=(6, 6), state_digest=b"old"),
+                   ahead: SimpleNamespace(rounds=(11, 10), state_digest=b"on")}
     node._check_agreement(SWARM)
     assert node.downloads == [[other]]

@@ -196,14 +196,30 @@ def test_a_finisher_does_not_take_a_tie_while_its_partners_are_on_their_way():
     assert node.asked == [] and node.state_digest == b"Y"
 
 
-def test_a_finisher_still_takes_the_others_copy_at_the_last_heartbeat_if_a_peer_never_comes():
-    """One on its way that never finishes (or a liar saying it trains at our rounds) holds the
-    take back only until the last heartbeat before the deadline: a tie with a finished peer is
-    still broken then, so two honest copies do not stay apart."""
+@pytest.mark.parametrize("partner", [True, False])
+def test_only_a_partner_on_its_way_holds_a_tie_back_and_only_until_the_last_heartbeat(partner):
+    """A partner of our last rounds on its way that never finishes (or a liar in our last group
+    saying it trains at our rounds) holds a tie back only until the last heartbeat before the
+    deadline: the tie is still broken then, so two honest copies do not stay apart. A stranger
+    on its way holds nothing back: it could say it is coming to one finisher until its decision
+    and then finish with the other copy for the next, and two honest finishers would end apart
+    (a review of the first version, which held any take back)."""
     swarm = SimpleNamespace(allreduce_timeout_s=0.2, heartbeat_interval_s=0.2, heartbeat_ttl_s=10.0,
                             state_chunk_timeout_s=5.0)
     coming = SimpleNamespace(state="training", rounds=MINE, state_digest=b"", sent_at=1)
     node = Finisher(B, b"Y", [{A: finished(b"X", 1), C: coming}], serves={b"X"})
-    with patch("peer.node.settle.SETTLE_POLL_S", 0.01):
+    if partner:
+        node._partners = {C: time.monotonic()}
+    began = time.monotonic()
+    with patch("peer.node.settle.SETTLE_POLL_S", 0.01), \
+            patch.object(Finisher, "_download", lambda self, swarm, holders, *, want, **kw: (
+                self.asked.append((want, time.monotonic() - began, self.reads)), setattr(self, "state_digest", want)
+            )[-1] or True):
         node._settle_copy(swarm)
-    assert node.asked == [b"X"] and node.state_digest == b"X"
+    deadline = 2.5 * 0.2 + 2 * 0.2
+    assert [w for w, _, _ in node.asked] == [b"X"] and node.state_digest == b"X"
+    _, at, reads = node.asked[0]
+    if partner:
+        assert at >= deadline - 0.2  # held back to the last heartbeat before the deadline
+    else:
+        assert reads == 1  # at the first read that showed the tie
