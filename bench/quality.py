@@ -30,8 +30,8 @@ LIAR_SCALE = 1000.0
 LIAR_FILL = 1e30  # the liar's row that sends a constant vector: every element 1e30
 
 
-def configurations(H: int, P: int) -> list[tuple[str, SyncConfig, float, float]]:
-    """The table's rows (mode, sync, liar scale, liar fill): the baseline, plain DiLoCo, then Streaming
+def configurations(H: int, P: int) -> list[tuple[str, SyncConfig, float, float, str]]:
+    """The table's rows (mode, sync, liar scale, liar fill, liar aim): the baseline, plain DiLoCo, then Streaming
     DiLoCo's changes added one at a time (fragments, then 4-bit), then overlap (tau) and the
     mixing factor (alpha) varied one at a time, so a row never credits tau with what alpha
     did: tau=0 and tau=1 at alpha=0.5, and tau=1 at alpha=0 (the result replaces the local
@@ -39,23 +39,31 @@ def configurations(H: int, P: int) -> list[tuple[str, SyncConfig, float, float]]
     default; the last rows compare it with the plain mean, honest and with one lying worker
     that sends its pseudo-gradients x1000, and show the robust mean under one that sends 1e30
     in every element (a constant vector: clipped to an honest norm it would still push every
-    weight the same way; ``protocol.butterfly.clip_scale`` gives it no weight)."""
-    def s(tau: int, alpha: float, codec: str = "fp4", clip: float = 2.0) -> SyncConfig:
+    weight the same way; ``protocol.butterfly.clip_scale`` gives it no weight). The last six
+    weigh the clip itself, 1 (the default) beside 2: honest, and under a liar that stays within
+    it, pushing a constant direction or its pseudo-gradient negated at twice its own norm
+    (``peer.simulation.aimed``): the clip bounds a push's size, not where it points."""
+    def s(tau: int, alpha: float, codec: str = "fp4", clip: float = 1.0) -> SyncConfig:
         return SyncConfig(inner_steps=H, fragments=P, overlap=tau, alpha=alpha, codec=codec, clip=clip)
 
     return [
-        ("ddp", SyncConfig(method="ddp"), 0.0, 0.0),
-        ("diloco", SyncConfig(inner_steps=H, fragments=1, overlap=0, alpha=0.0, codec="fp32"), 0.0, 0.0),
-        ("streaming", s(0, 0.0, "fp32"), 0.0, 0.0),
-        ("streaming", s(0, 0.0), 0.0, 0.0),
-        ("streaming", s(0, 0.5), 0.0, 0.0),
-        ("streaming", s(1, 0.5), 0.0, 0.0),
-        ("streaming", s(1, 0.0), 0.0, 0.0),
-        ("streaming", s(5, 0.5), 0.0, 0.0),
-        ("streaming", s(1, 0.5, clip=0.0), 0.0, 0.0),
-        ("streaming", s(1, 0.5), LIAR_SCALE, 0.0),
-        ("streaming", s(1, 0.5, clip=0.0), LIAR_SCALE, 0.0),
-        ("streaming", s(1, 0.5), 0.0, LIAR_FILL),
+        ("ddp", SyncConfig(method="ddp"), 0.0, 0.0, ""),
+        ("diloco", SyncConfig(inner_steps=H, fragments=1, overlap=0, alpha=0.0, codec="fp32"), 0.0, 0.0, ""),
+        ("streaming", s(0, 0.0, "fp32"), 0.0, 0.0, ""),
+        ("streaming", s(0, 0.0), 0.0, 0.0, ""),
+        ("streaming", s(0, 0.5), 0.0, 0.0, ""),
+        ("streaming", s(1, 0.5), 0.0, 0.0, ""),
+        ("streaming", s(1, 0.0), 0.0, 0.0, ""),
+        ("streaming", s(5, 0.5), 0.0, 0.0, ""),
+        ("streaming", s(1, 0.5, clip=0.0), 0.0, 0.0, ""),
+        ("streaming", s(1, 0.5), LIAR_SCALE, 0.0, ""),
+        ("streaming", s(1, 0.5, clip=0.0), LIAR_SCALE, 0.0, ""),
+        ("streaming", s(1, 0.5), 0.0, LIAR_FILL, ""),
+        ("streaming", s(1, 0.5, clip=2.0), 0.0, 0.0, ""),
+        ("streaming", s(1, 0.5), 0.0, 0.0, "constant"),
+        ("streaming", s(1, 0.5, clip=2.0), 0.0, 0.0, "constant"),
+        ("streaming", s(1, 0.5), 0.0, 0.0, "negated"),
+        ("streaming", s(1, 0.5, clip=2.0), 0.0, 0.0, "negated"),
     ]
 
 
@@ -89,14 +97,15 @@ def main() -> int:
         rows = [r for i, r in enumerate(rows, 1) if i in keep]
 
     runs = []
-    for mode, sync, liar, fill in rows:
+    for mode, sync, liar, fill, aim in rows:
         tc = TrainConfig(model=model, data=data, inner=inner, sync=sync)
         sim = SimulationConfig(train=tc, workers=args.workers, steps=steps, eval_batches=16, liar_scale=liar,
-                               liar_fill=fill)
+                               liar_fill=fill, liar_aim=aim)
         aggregate = "-" if mode == "ddp" else f"clip {sync.clip:g}" if sync.clip else "mean"
         label = mode if mode == "ddp" else (f"{mode} P={sync.fragments} tau={sync.overlap} alpha={sync.alpha} "
                                             f"{sync.codec} {aggregate}" + (f" liar x{liar:g}" if liar else "")
-                                            + (f" liar fills {fill:g}" if fill else ""))
+                                            + (f" liar fills {fill:g}" if fill else "")
+                                            + (f" liar aims {aim}" if aim else ""))
         print(f"running {label} ...", file=sys.stderr, flush=True)
         try:
             res = run_simulation(sim, corpus)
@@ -104,12 +113,12 @@ def main() -> int:
             print(f"  diverged: {e}", file=sys.stderr, flush=True)
             rec = {"tokens": 0, "bytes_sent_per_worker": 0, "peak_bytes_per_sync": 0, "wall_s": 0.0,
                    **(runs[-1] if runs else {}), "mode": mode, "alpha": sync.alpha, "aggregate": aggregate, "liar_scale": liar,
-                   "liar_fill": fill, "fragments": sync.fragments, "tau": sync.overlap, "codec": sync.codec,
+                   "liar_fill": fill, "liar_aim": aim, "fragments": sync.fragments, "tau": sync.overlap, "codec": sync.codec,
                    "heldout_loss": float("nan"), "train_loss": float("nan"), "history": [], "diverged": str(e)}
             runs.append(rec)
             continue
         rec = {"mode": mode, "alpha": sync.alpha if mode != "ddp" else float("nan"), "aggregate": aggregate,
-               "liar_scale": liar, "liar_fill": fill,
+               "liar_scale": liar, "liar_fill": fill, "liar_aim": aim,
                **{k: v for k, v in dataclasses.asdict(res).items() if k != "history"},
                "history": res.history}
         runs.append(rec)
@@ -127,7 +136,7 @@ def main() -> int:
           f"{runs[0]['tokens']:,} tokens per run")
     print_table(runs, [("mode", "mode", ""), ("fragments", "P", "d"), ("tau", "tau", "d"), ("alpha", "alpha", ".1f"),
                        ("codec", "codec", ""), ("aggregate", "mean", ""), ("liar_scale", "liar x", "g"),
-                       ("liar_fill", "liar fill", "g"),
+                       ("liar_fill", "liar fill", "g"), ("liar_aim", "liar aim", ""),
                        ("heldout_loss", "held-out", ".4f"), ("loss_vs_ddp", "vs ddp", "+.2%"),
                        ("loss_vs_diloco", "vs diloco", "+.2%"),
                        ("bytes_sent_per_worker", "bytes/worker", ",d"), ("bytes_vs_ddp", "ddp/this", ".0f"),
@@ -135,7 +144,7 @@ def main() -> int:
                        ("wall_s", "wall s", ".0f")])
 
     shipped = [r for r in runs if r["mode"] == "streaming" and r["tau"] == 1 and r["alpha"] == 0.5
-               and r["aggregate"] != "mean" and not r["liar_scale"] and not r["liar_fill"]]
+               and r["aggregate"] == "clip 1" and not r["liar_scale"] and not r["liar_fill"] and not r["liar_aim"]]
     if shipped and "ddp" in base:
         r = shipped[0]
         print(f"\nloss gap to ddp at equal tokens ({r['tokens']:,} per run): streaming P={r['fragments']} tau=1 "
@@ -146,6 +155,18 @@ def main() -> int:
     if shipped and plain:
         print(f"robust mean, honest workers: held-out {shipped[0]['heldout_loss']:.4f} vs plain mean "
               f"{plain[0]['heldout_loss']:.4f} ({shipped[0]['heldout_loss'] / plain[0]['heldout_loss'] - 1:+.2%})")
+
+    def honest_at(aggregate: str) -> dict | None:
+        return next((r for r in runs if r["mode"] == "streaming" and r["tau"] == 1 and r["alpha"] == 0.5
+                     and r["codec"] == "fp4" and r["aggregate"] == aggregate and not r["liar_scale"]
+                     and not r["liar_fill"] and not r["liar_aim"]), None)
+
+    for aggregate in sorted({r["aggregate"] for r in runs if r["liar_aim"]}):
+        honest = honest_at(aggregate)
+        if honest:
+            said = ", ".join(f"{r['liar_aim']} {r['heldout_loss'] / honest['heldout_loss'] - 1:+.2%}" for r in runs
+                             if r["liar_aim"] and r["aggregate"] == aggregate)
+            print(f"{aggregate}: honest {honest['heldout_loss']:.4f}; one liar aiming within the clip: {said}")
 
     from codec_speed import codec_throughput
 

@@ -211,7 +211,7 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
                  max_pending_groups_per_peer: int | None = None, max_pending_bytes_per_peer: int | None = None,
                  max_streams_per_peer: int = 32, pending_ttl_s: float = 120.0, read_timeout_s: float = 30.0,
                  upload: RateLimiter | None = None, download: RateLimiter | None = None,
-                 clip: float = 2.0, max_weight: float = 1e18, audit: float = 0.0):
+                 clip: float = 1.0, max_weight: float = 1e18, audit: float = 0.0):
         if not 2 * HEAD_ROOM <= max_frame_bytes <= MAX_FRAME_BYTES:
             raise LocalProtocolError(f"max_frame_bytes must be in [{2 * HEAD_ROOM}, {MAX_FRAME_BYTES}], "
                                      f"got {max_frame_bytes}")

@@ -385,9 +385,12 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         for i, norm, scale in zip(contrib, norms, scales):
             if scale < 1.0:
                 self.clipped.append(i)
-                log.warning("clipped slice norm=%.3g bound=%.3g peer=%s group=%s%s", norm, scale * norm,
-                            self.peer_ids[i], self.group.group_id.hex(),
-                            "" if scale else ": far beyond the group's norms, it counts for nothing")
+                # at clip 1 half of an honest group is brought down a few percent every round:
+                # only a slice beyond twice the bound is worth a warning
+                log.log(logging.WARNING if scale < 0.5 else logging.DEBUG,
+                        "clipped slice norm=%.3g bound=%.3g peer=%s group=%s%s", norm, scale * norm,
+                        self.peer_ids[i], self.group.group_id.hex(),
+                        "" if scale else ": far beyond the group's norms, it counts for nothing")
             w = self.group.weights[i] / total_w * scale
             for off, cnt, payload in sorted(own if i == me else self.pushes.get(i, ()), key=lambda c: c[0]):
                 self.codec.decode_add_(acc[off - s:off - s + cnt], payload, w)

@@ -27,6 +27,12 @@ from protocol.config import ConfigError, TrainConfig
 log = logging.getLogger(__name__)
 
 
+LIAR_AIMS = {"", "constant", "negated"}
+LIAR_AIM_NORM = 2.0
+"""An aimed liar's push, in units of its true pseudo-gradient's norm: twice, as much as a clip
+of 2 lets through whole."""
+
+
 @dataclass(kw_only=True, slots=True)
 class SimulationConfig:
     train: TrainConfig
@@ -46,6 +52,10 @@ class SimulationConfig:
     liar_fill: float = 0.0
     """If not 0, the last worker lies: every element of its pseudo-gradients is this value (1e30:
     a constant vector, which clipped to an honest norm still points everywhere alike)."""
+    liar_aim: str = ""
+    """If not empty, the last worker lies within the clip: it pushes a direction of its choosing
+    at ``LIAR_AIM_NORM`` times the norm of its true pseudo-gradient, round after round:
+    ``constant`` (every element alike) or ``negated`` (its pseudo-gradient negated)."""
     fallback_every: int = 0
     """If not 0, every this many syncs one part of the fragment (reducer ``j``, a different one
     each time) gets no agreed mean, as in the swarm when its reducer fails or a ghost leads the
@@ -60,6 +70,8 @@ class SimulationConfig:
             raise ConfigError("simulation needs workers >= 1 and steps >= 1")
         if not (math.isfinite(self.liar_scale) and math.isfinite(self.liar_fill)):
             raise ConfigError("liar_scale and liar_fill must be finite")
+        if self.liar_aim not in LIAR_AIMS:
+            raise ConfigError(f"liar_aim must be one of {sorted(LIAR_AIMS)}, got {self.liar_aim!r}")
         if self.eval_every < 0 or self.eval_batches < 1 or self.fallback_every < 0:
             raise ConfigError("eval_every and fallback_every must be >= 0, eval_batches >= 1")
 
@@ -85,6 +97,14 @@ class SimulationResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def aimed(delta: torch.Tensor, aim: str) -> torch.Tensor:
+    """An aimed liar's push (``SimulationConfig.liar_aim``) in place of its pseudo-gradient."""
+    norm = LIAR_AIM_NORM * slice_norm(delta)
+    if aim == "negated":
+        return -LIAR_AIM_NORM * delta
+    return torch.full_like(delta, norm / max(1, delta.numel()) ** 0.5)
 
 
 def reduce_part(vectors: list[torch.Tensor], shares: list[float], j: int, codec: Codec,
@@ -179,6 +199,8 @@ class Simulation:
                     deltas[-1] = deltas[-1] * self.cfg.liar_scale
                 if self.cfg.liar_fill:
                     deltas[-1] = torch.full_like(deltas[-1], self.cfg.liar_fill)
+                if self.cfg.liar_aim:
+                    deltas[-1] = aimed(deltas[-1], self.cfg.liar_aim)
                 avg, sent = allreduce(deltas, weights, self.codec, tc.sync.clip)
                 self._account(sent)
                 kept: tuple = ()

@@ -95,7 +95,7 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="every node trains all H steps of every round and its groups wait for the slowest member "
                         "(default: a node slower than the swarm follows its rounds with the steps it managed)")
     g.add_argument("--clip", type=float, help="robust mean: a slice is scaled to at most this x the lower median "
-                                              "norm (default 2; 0: plain mean)")
+                                              "norm (default 1; 0: plain mean)")
     g.add_argument("--audit", type=float, help="chance a member audits each other reducer's mean after a round "
                                                "(default 0.1; 0: never; see docs/THREAT_MODEL.md)")
     g = new.add_argument_group("swarm")

@@ -37,11 +37,15 @@ def test_quality_bench_writes_the_table_and_consistent_byte_counts(tmp_path):
     # 4-bit: 4.5 bits per element instead of 32
     assert 6.5 < s_fp32["bytes_sent_per_worker"] / s_fp4["bytes_sent_per_worker"] < 7.2
     # the robust mean beside the plain one: the same with honest workers, and it holds a liar
-    honest_clip = next(r for r in runs if r["aggregate"] == "clip 2" and r["tau"] == 1 and r["alpha"] == 0.5
-                       and not r["liar_scale"] and not r["liar_fill"])
+    honest_clip = next(r for r in runs if r["aggregate"] == "clip 1" and r["tau"] == 1 and r["alpha"] == 0.5
+                       and not r["liar_scale"] and not r["liar_fill"] and not r["liar_aim"])
     honest_plain = next(r for r in runs if r["aggregate"] == "mean" and not r["liar_scale"])
-    liar_clip = next(r for r in runs if r["aggregate"] == "clip 2" and r["liar_scale"])
+    liar_clip = next(r for r in runs if r["aggregate"] == "clip 1" and r["liar_scale"])
     liar_plain = next(r for r in runs if r["aggregate"] == "mean" and r["liar_scale"])
     assert abs(honest_clip["heldout_loss"] / honest_plain["heldout_loss"] - 1) < 0.005
     assert not liar_plain["heldout_loss"] < 2 * liar_clip["heldout_loss"]  # NaN or far worse
-    assert any(r["liar_fill"] and r["aggregate"] == "clip 2" for r in runs)  # the constant-vector liar's row
+    assert any(r["liar_fill"] and r["aggregate"] == "clip 1" for r in runs)  # the constant-vector liar's row
+    # the clip weighed: 1 beside 2, honest and under each aimed liar
+    assert {(r["aggregate"], r["liar_aim"]) for r in runs if r["liar_aim"] or r["aggregate"] == "clip 2"} == {
+        (c, a) for c in ("clip 1", "clip 2") for a in ("constant", "negated")} | {("clip 2", "")}
+    assert "one liar aiming within the clip" in proc.stdout

@@ -33,7 +33,8 @@ CTX = mp.get_context("spawn")
 RUN_ID = bytes(range(20))
 NUMEL = 10_001  # not divisible by the group sizes: slices of unequal length
 REPLY_TIMEOUT = 45.0
-CLIP = 2.0  # the averagers' sync.clip (the default): the references below use it too
+CLIP = 2.0  # the averagers' sync.clip (the default is 1; at 2 no honest slice here is clipped, so a
+# round's `clipped` names only a liar): the references below use it too
 
 
 def make_vector(seed: int, numel: int = NUMEL) -> torch.Tensor:

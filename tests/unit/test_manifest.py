@@ -58,7 +58,7 @@ def test_swarm_defaults_are_valid_and_bad_values_name_the_field():
     for clip in (0.5, -1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="sync.clip"):
             SyncConfig(clip=clip)
-    assert SyncConfig(clip=0.0).clip == 0.0 and SyncConfig().clip == 2.0
+    assert SyncConfig(clip=0.0).clip == 0.0 and SyncConfig().clip == 1.0
 
 
 # ---------------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def test_one_members_false_report_cannot_make_an_honest_mean_fail(seed, k, rho, 
        st.sampled_from(["fp4", "int8", "fp32"]))
 @settings(max_examples=100, deadline=None)
 def test_a_negated_or_inflated_mean_is_refused(seed, k, rho, codec_name):
-    """Members of similar norms and equal weights, clip 2 (the defaults), groups of 6 or more
+    """Members of similar norms and equal weights, clip 1 (the default) and 2, groups of 6 or more
     whose pseudo-gradients agree some (``bench/screen.py`` measures a real run's): a reducer
     that negates its mean, or scales it x3 (inside the norm bound), is refused by the dots. A
     negated mean is also refused when the member after the reducer could not say its dot (the
@@ -124,15 +124,16 @@ def test_a_negated_or_inflated_mean_is_refused(seed, k, rho, codec_name):
     vecs, _ = group(seed, k, rho, 1.1)
     weights = [1.0] * k
     codec = get_codec(codec_name)
-    for j, (s, e) in enumerate(slice_bounds(N, k)):
-        _, mean, pushes = reduce_part(vecs, weights, j, codec, 2.0)
-        lies = [(-1.0, None), (3.0, None)]
-        if k >= 6 and rho >= 0.7:
-            lies.append((-1.0, set(range(k)) - {(j + 1) % k}))
-        for lie, said in lies:
-            payload = codec.encode(mean * lie)
-            told = codec.decode(payload, e - s)
-            assert not screen(told, payload, pushes, weights, j, codec, 2.0, said), (lie, said)
+    for clip in (1.0, 2.0):
+        for j, (s, e) in enumerate(slice_bounds(N, k)):
+            _, mean, pushes = reduce_part(vecs, weights, j, codec, clip)
+            lies = [(-1.0, None), (3.0, None)]
+            if k >= 6 and rho >= 0.7:
+                lies.append((-1.0, set(range(k)) - {(j + 1) % k}))
+            for lie, said in lies:
+                payload = codec.encode(mean * lie)
+                told = codec.decode(payload, e - s)
+                assert not screen(told, payload, pushes, weights, j, codec, clip, said), (clip, lie, said)
 
 
 def test_weights_without_a_positive_total_and_groups_of_one_say_nothing():
