@@ -28,6 +28,7 @@ its groups and the groups' order.
     python bench/liar.py --pairs 2 --rounds 6     # ~8 min
     python bench/liar.py --lies lie:push1e30+short+replay+equivocate --busy 2
     python bench/liar.py --follow --pairs 3      # the run's default pacing: honest peers may skip steps
+    python bench/liar.py --lies lie:aim --clip 2  # a constant direction within the clip of 2
     python bench/liar.py --lies lie:ghost --pairs 1 --rounds 8 --allreduce-timeout 20   # a key that joins and
                                                   # sends nothing: what it costs in time (wall x)
 """
@@ -63,12 +64,12 @@ def t95(df: int) -> float:
     return T95[max(fits)] if fits else T95[1]
 
 
-def setup(root: Path, allreduce_timeout_s: float, follow: bool = False) -> Path:
+def setup(root: Path, allreduce_timeout_s: float, follow: bool = False, clip: float | None = None) -> Path:
     """A run's manifest and the keys of its peers 0..3, shared by the two runs of a pair. Each
     pair gets a manifest of its own (its creation time differs, so its run ID, which seeds the
     data order): the runs of one manifest repeat each other, so pairs of one manifest would
     measure one outcome again and again. ``follow``: the run's defaults (``sync.follow``, a late
-    share of 0.1) instead of lockstep."""
+    share of 0.1) instead of lockstep. ``clip``: the run's ``sync.clip`` (default: the default)."""
     from peer.demo import demo_manifest
     from protocol.identity import Identity
 
@@ -79,6 +80,8 @@ def setup(root: Path, allreduce_timeout_s: float, follow: bool = False) -> Path:
         key.write_bytes(Identity.from_seed(bytes([i + 1]) * 32).to_libp2p())
         key.chmod(0o600)
     pace = {} if follow else {"late_share": 0.0, "follow": False}
+    if clip is not None:
+        pace["clip"] = clip
     manifest = demo_manifest(4, out / "peer0.key", swarm={"allreduce_timeout_s": allreduce_timeout_s}, **pace)
     (out / "demo.swarmrun").write_bytes(manifest)
     return out
@@ -145,11 +148,14 @@ def main() -> int:
     ap.add_argument("--follow", action="store_true",
                     help="the run's default pacing (sync.follow, late share 0.1) instead of lockstep: peers "
                          "behind the others skip steps, so the two runs of a pair train different tokens")
+    ap.add_argument("--clip", type=float, help="the run's sync.clip (default: the default, 1)")
     ap.add_argument("--keep", action="store_true", help="keep the runs' directories (peer logs)")
     ap.add_argument("--out", help="JSON path (default bench/results/liar.json)")
     args = ap.parse_args()
     if args.pairs < 1 or args.rounds < 2 or args.busy < 0:
         ap.error("--pairs must be at least 1, --rounds at least 2, --busy at least 0")
+    if args.clip is not None and not (args.clip == 0.0 or 1.0 <= args.clip <= 1e6):
+        ap.error(f"--clip must be 0 (plain mean) or in [1, 1e6], got {args.clip}")
     if not args.lies.startswith("lie:"):
         ap.error("--lies must be a lie fault such as lie:push1000+mean1000+withhold (see peer/node/faults.py)")
 
@@ -158,7 +164,7 @@ def main() -> int:
     rows = []
     try:
         for k in range(args.pairs):
-            setup_dir = setup(root / f"setup{k}", args.allreduce_timeout, args.follow)
+            setup_dir = setup(root / f"setup{k}", args.allreduce_timeout, args.follow, args.clip)
             order = ("baseline", "attacked") if k % 2 == 0 else ("attacked", "baseline")
             runs = {}
             for side in order:
@@ -191,7 +197,7 @@ def main() -> int:
     print(f"\nmean difference {mean:+.2f}% (95% CI {mean - half:+.2f}% .. {mean + half:+.2f}%), "
           f"range {min(diffs):+.2f}% .. {max(diffs):+.2f}%, over {len(diffs)} pairs")
     out = write_json(args.out, "liar", {
-        "lies": args.lies, "rounds": args.rounds, "pacing": "follow" if args.follow else "lockstep",
+        "lies": args.lies, "clip": args.clip, "rounds": args.rounds, "pacing": "follow" if args.follow else "lockstep",
         "pairs": args.pairs, "busy_loops": args.busy,
         "allreduce_timeout_s": args.allreduce_timeout, "rows": rows,
         "mean_diff_pct": mean, "ci95_pct": [mean - half, mean + half] if math.isfinite(half) else None,

@@ -10,8 +10,10 @@ parts' means are taken by one of:
 
   clipC    the shipped robust mean (``protocol.butterfly.clip_scales``) at ``sync.clip`` = C
   trim     a coordinate-wise trimmed mean: each element's largest and smallest value dropped
-  cclipC   centred clipping (Karimireddy et al., 2021): each push's deviation from the
-           fragment's last mean, clipped to C x the lower median of the deviations' norms
+           (unweighted: the simulation's workers weigh alike)
+  cclipC   a simple centred clipping (after Karimireddy et al., 2021): each push's deviation
+           from the fragment's last mean, clipped to C x the lower median of the deviations'
+           norms, one step, and no worker momentum (which their bound relies on)
 
 The liars: ``honest`` (none), ``constant`` (every element alike, at twice the norm of its true
 pseudo-gradient), ``negated`` (its pseudo-gradient x -2), ``alie`` (the honest pushes' mean

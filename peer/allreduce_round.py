@@ -49,7 +49,8 @@ import msgpack
 import torch
 
 from protocol.audit import contribution_digest, inputs_digest
-from protocol.butterfly import chunk_elements, clip_scales, slice_bounds, slice_norm, witnessed, witnesses_of
+from protocol.butterfly import (chunk_elements, clip_scales, lower_median, slice_bounds, slice_norm, witnessed,
+                                witnesses_of)
 from protocol.codecs import Codec
 from protocol.identity import peer_id_from_public_key
 from protocol.messages import MAX_FRAME_BYTES, digest
@@ -381,13 +382,14 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         own = self.own_chunks
         norms = [slice_norm(self._decoded(i, own if i == me else None)) for i in contrib]
         scales = clip_scales(norms, self.clip)
+        median = lower_median(norms)
         acc = torch.zeros(e - s, dtype=torch.float32)
         for i, norm, scale in zip(contrib, norms, scales):
             if scale < 1.0:
                 self.clipped.append(i)
                 # at clip 1 half of an honest group is brought down a few percent every round:
-                # only a slice beyond twice the bound is worth a warning
-                log.log(logging.WARNING if scale < 0.5 else logging.DEBUG,
+                # a warning for a slice beyond twice the lower median only (as at clip 2)
+                log.log(logging.WARNING if norm > 2.0 * median else logging.DEBUG,
                         "clipped slice norm=%.3g bound=%.3g peer=%s group=%s%s", norm, scale * norm,
                         self.peer_ids[i], self.group.group_id.hex(),
                         "" if scale else ": far beyond the group's norms, it counts for nothing")

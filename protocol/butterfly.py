@@ -141,10 +141,17 @@ def mean_norm_bound(others: Sequence[float], clip: float) -> float | None:
     A weighted mean is no larger than its largest term, so an honest reducer's mean stays
     within ``max(1, clip) * max(others)``, times ``MEAN_SLACK`` for rounding. A reducer's own
     norm is its word and is left out; a member that under-reports can make an honest part
-    look too large, which makes every member fall back on it alike, nothing more."""
+    look too large, which makes every member fall back on it alike, nothing more.
+
+    The bound takes the clip as at least 2 (where it stood before the default became 1): the
+    reports that came may all be of slower members, smaller than the lower median (those of
+    the others lost), and an honest mean, about the size of the median, is refused once they
+    are below 1 / (MEAN_SLACK x the factor) of it: a quarter, not a half. Such a refusal costs
+    the reducer our groups (``peer.node.syncs``), so the room stays; a reducer's larger mean
+    within it is the screen's and the audits' to catch."""
     if not clip or not others:
         return None
-    return MEAN_SLACK * max(1.0, clip) * max(others)
+    return MEAN_SLACK * max(2.0, clip) * max(others)
 
 
 def median_range(known: Sequence[float], unknown: int = 1) -> tuple[float, float]:
@@ -242,8 +249,9 @@ def screen_mean(norm: float, error: float, clip: float, reducer_weight: float,
     return any(fits(r) for r in speaking) if speaking else fits(None)
 
 
-FAR = 50.0
-"""A contribution beyond ``FAR x max(1, clip)`` times the lower median norm (50x by default) is
+FAR = 25.0
+"""A contribution beyond ``FAR x max(1, clip)`` times the lower median norm (25x at the default
+clip of 1, 50x at 2: the same for a run made before that default) is
 no honest pseudo-gradient of the round, so its direction is not kept either: its scale falls
 linearly to 0 at twice that (``clip_scale``). Honest norms of one round stay within a few
 percent of each other, but a member that managed few of its inner steps (a slow follower hands over what
@@ -270,10 +278,15 @@ def clip_scale(norm: float, median: float, clip: float) -> float:
     return bound / norm * min(1.0, max(0.0, 2.0 - norm / far))
 
 
+def lower_median(norms: Sequence[float]) -> float:
+    """The lower median of ``norms`` (not empty): the one at index (n - 1) // 2 in order."""
+    return sorted(norms)[(len(norms) - 1) // 2]
+
+
 def clip_scales(norms: Sequence[float], clip: float) -> list[float]:
     """Per contribution, its ``clip_scale`` under the lower median of ``norms``; all 1.0 when
     ``clip`` is 0 (the plain mean) or for one norm."""
     if not clip or len(norms) < 2:
         return [1.0] * len(norms)
-    median = sorted(norms)[(len(norms) - 1) // 2]
+    median = lower_median(norms)
     return [clip_scale(n, median, clip) for n in norms]

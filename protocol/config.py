@@ -245,7 +245,7 @@ class SyncConfig:
     clip: float = 1.0
     """Robust averaging: each reducer scales a member's slice down to at most ``clip`` times
     the lower median of the slices' norms before taking the mean, so one member cannot push
-    the average arbitrarily far, and gives a slice far beyond that (over ``50 x max(1, clip)``
+    the average arbitrarily far, and gives a slice far beyond that (over ``25 x max(1, clip)``
     times the median, none at twice that) less weight, to none (``protocol.butterfly.clip_scale``;
     see docs/THREAT_MODEL.md). 0 takes the plain weighted mean. 1 (the default) lets a liar push
     at most an honest norm in a direction of its choosing: at 2 a constant direction at twice its

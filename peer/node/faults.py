@@ -4,6 +4,10 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
 
 - ``push1000``: its pseudo-gradient x1000 in every push (finite, validly encoded);
 - ``push1e30``: values near 1e30 in every push;
+- ``aim``: a constant direction (every element alike) at twice its pseudo-gradient's norm in
+  every push: within a clip of 2 it counts whole and pushes every weight the same way each
+  round (at the default clip of 1, brought down to the lower median);
+- ``pushneg``: its pseudo-gradient x -2 in every push (likewise);
 - ``mean1000``: as a reducer, its mean x1000 to everyone (and so held itself: one lie, no two
   means to compare);
 - ``negate``: as a reducer, its mean negated, to everyone: a lie of plausible size, which only
@@ -58,7 +62,7 @@ from peer.allreduce import AGREE_GRACE, RESULT_GRACE
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
 
-LIES = frozenset({"push1000", "push1e30", "mean1000", "negate", "equivocate", "withhold", "replay", "short", "mute",
+LIES = frozenset({"push1000", "push1e30", "aim", "pushneg", "mean1000", "negate", "equivocate", "withhold", "replay", "short", "mute",
                   "disown", "blind", "ghost", "hush", "nolead", "misreport"})
 
 
@@ -82,6 +86,10 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
             vector = vector * 1000.0
         if "push1e30" in lies:
             vector = torch.full_like(vector, 1e30)
+        if "aim" in lies:  # the norm of the whole vector, spread alike over its elements
+            vector = torch.full_like(vector, 2.0 * float(vector.double().norm()) / max(1, vector.numel()) ** 0.5)
+        if "pushneg" in lies:
+            vector = vector * -2.0
         return await allreduce(group, vector, weight, **kw)
 
     def lying_encode(rnd, part: int, values: torch.Tensor):

@@ -211,11 +211,25 @@ def test_an_honest_clipped_mean_never_exceeds_the_bound_members_check_it_against
     g = torch.Generator().manual_seed(seed)
     vecs = [torch.randn(600, generator=g) * sc for sc in scales]
     weights = [float(w) for w in torch.rand(len(vecs), generator=g) + 0.1]
-    mean, _ = allreduce(vecs, weights, get_codec(codec_name), clip=2.0)
-    for j, (s, e) in enumerate(slice_bounds(600, len(vecs))):
-        bound = mean_norm_bound([slice_norm(v[s:e]) for i, v in enumerate(vecs) if i != j], 2.0)
-        assert slice_norm(mean[s:e]) <= bound
+    for clip in (1.0, 2.0):
+        mean, _ = allreduce(vecs, weights, get_codec(codec_name), clip=clip)
+        for j, (s, e) in enumerate(slice_bounds(600, len(vecs))):
+            bound = mean_norm_bound([slice_norm(v[s:e]) for i, v in enumerate(vecs) if i != j], clip)
+            assert slice_norm(mean[s:e]) <= bound
     assert mean_norm_bound([1.0], 0.0) is None  # the plain mean: nothing bounds it
+
+
+def test_a_mean_reported_on_only_by_a_slow_member_is_not_refused_at_the_default_clip():
+    """Four members, one of them a slow follower whose push is a third the others' norm, and
+    only its report came (the others' were lost): the honest mean, about the others' size, is
+    within the bound at clip 1 as at clip 2 (a refusal costs an honest reducer our groups)."""
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(600, generator=g)
+    vecs = [base + 0.3 * torch.randn(600, generator=g) for _ in range(3)] + [base / 3]
+    for clip in (1.0, 2.0):
+        mean, _ = allreduce(vecs, [1.0, 1.0, 1.0, 0.4], get_codec("fp4"), clip=clip)
+        for s, e in slice_bounds(600, 4)[:3]:
+            assert slice_norm(mean[s:e]) <= mean_norm_bound([slice_norm(vecs[3][s:e])], clip)
 
 
 def test_evaluating_the_global_model_in_place_matches_a_fresh_copy_and_restores_the_local_weights():
