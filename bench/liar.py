@@ -18,11 +18,12 @@ Per pair: the honest peers' mean held-out loss in each run, the difference in pe
 baseline's, whether the honest peers ended on one global copy, and how many syncs they
 averaged alone. Then the mean difference over the pairs with a 95% confidence interval
 (Student's t), and the wall time of each run (baseline/attacked, and their ratio). Each pair
-is a run of its own (a manifest of its own, so another run ID, which
-seeds the data order): the runs of one manifest on this machine came out the same to the last
-digit, quiet and beside two busy loops (``--busy 2``), so pairs of one manifest would measure
-one outcome again and again. Across runs the liar's cost varies with which part it reduces in
-its groups and the groups' order.
+is a run of its own (keys of its own, which seed each peer's sample order and the groups'
+order): the runs of one manifest and keys on this machine came out the same to the last
+digit, quiet and beside two busy loops (``--busy 2``), so pairs of one set of keys would
+measure one outcome again and again (results measured before this fix varied only the
+manifest, whose run ID seeds nothing). Across runs the liar's cost varies with which part it reduces
+in its groups and the groups' order.
 
     python bench/liar.py                          # 5 pairs, push1000+mean1000+withhold (~25 min)
     python bench/liar.py --pairs 2 --rounds 6     # ~8 min
@@ -36,6 +37,7 @@ its groups and the groups' order.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import shutil
@@ -64,20 +66,25 @@ def t95(df: int) -> float:
     return T95[max(fits)] if fits else T95[1]
 
 
-def setup(root: Path, allreduce_timeout_s: float, follow: bool = False, clip: float | None = None) -> Path:
+def setup(root: Path, allreduce_timeout_s: float, follow: bool = False, clip: float | None = None,
+          pair: int = 0) -> Path:
     """A run's manifest and the keys of its peers 0..3, shared by the two runs of a pair. Each
-    pair gets a manifest of its own (its creation time differs, so its run ID, which seeds the
-    data order): the runs of one manifest repeat each other, so pairs of one manifest would
-    measure one outcome again and again. ``follow``: the run's defaults (``sync.follow``, a late
-    share of 0.1) instead of lockstep. ``clip``: the run's ``sync.clip`` (default: the default)."""
+    pair gets keys of its own (``pair``): a peer's key picks its sample order
+    (``peer.data.worker_seed``) and the groups' order, and the runs of one manifest and keys
+    repeat each other, so pairs of one set of keys would measure one outcome again and again
+    (before, each pair got only a manifest of its own, whose run ID seeds nothing: two pairs'
+    attacked runs came out equal to the last digit). ``follow``: the run's defaults
+    (``sync.follow``, a late share of 0.1) instead of lockstep. ``clip``: the run's
+    ``sync.clip`` (default: the default)."""
     from peer.demo import demo_manifest
     from protocol.identity import Identity
 
     out = root
     out.mkdir()
-    for i in range(4):  # fixed keys: a peer's key picks its data and the groups' order
+    for i in range(4):
         key = out / f"peer{i}.key"
-        key.write_bytes(Identity.from_seed(bytes([i + 1]) * 32).to_libp2p())
+        seed = hashlib.sha256(f"bench/liar.py pair {pair} peer {i}".encode()).digest()
+        key.write_bytes(Identity.from_seed(seed).to_libp2p())
         key.chmod(0o600)
     pace = {} if follow else {"late_share": 0.0, "follow": False}
     if clip is not None:
@@ -164,7 +171,7 @@ def main() -> int:
     rows = []
     try:
         for k in range(args.pairs):
-            setup_dir = setup(root / f"setup{k}", args.allreduce_timeout, args.follow, args.clip)
+            setup_dir = setup(root / f"setup{k}", args.allreduce_timeout, args.follow, args.clip, pair=k)
             order = ("baseline", "attacked") if k % 2 == 0 else ("attacked", "baseline")
             runs = {}
             for side in order:
