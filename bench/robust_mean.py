@@ -49,10 +49,8 @@ def lie(vectors: list[torch.Tensor], how: str) -> list[torch.Tensor]:
     if how == "honest":
         return vectors
     own, honest = vectors[-1], torch.stack([v.double() for v in vectors[:-1]])
-    if how == "constant":
-        fake = torch.full_like(own, 2.0 * float(own.norm()) / max(1, own.numel()) ** 0.5)
-    elif how == "negated":
-        fake = -2.0 * own
+    if how in ("constant", "negated"):
+        fake = simulation.aimed(own, how)  # as bench/quality.py's aimed liar
     elif how == "alie":
         fake = (honest.mean(0) - honest.std(0)).float()
     elif how == "aimed":

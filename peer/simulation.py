@@ -101,10 +101,9 @@ class SimulationResult:
 
 def aimed(delta: torch.Tensor, aim: str) -> torch.Tensor:
     """An aimed liar's push (``SimulationConfig.liar_aim``) in place of its pseudo-gradient."""
-    norm = LIAR_AIM_NORM * slice_norm(delta)
     if aim == "negated":
         return -LIAR_AIM_NORM * delta
-    return torch.full_like(delta, norm / max(1, delta.numel()) ** 0.5)
+    return torch.full_like(delta, LIAR_AIM_NORM * slice_norm(delta) / max(1, delta.numel()) ** 0.5)
 
 
 def reduce_part(vectors: list[torch.Tensor], shares: list[float], j: int, codec: Codec,
