@@ -24,8 +24,10 @@ module holds the state, the waiters' questions and our own reduction. Three phas
    members on both sides of a real equivocation hold the proof once their forwards arrive,
    and one member's false report proves nothing, so everyone keeps the part. A proof that
    the reports did not show (a second mean that reached one member late, or through a
-   colluder) may reach some members only: ``visible`` is then False for that part, and the
-   round is not ``settled``, so the node compares states after it.
+   colluder: ``visible`` is False for that part) may reach some members only: each that
+   holds the mean the reports showed lands it all the same (``kept``), as those it never
+   reaches do, and bans the reducer; one holding the other mean falls back, its round not
+   ``settled``, so the node compares states after it.
 5. finals: a member that finishes tells every other member which parts it landed
    (``PartsHeld`` with ``final``; b"" for a part it fell back on), and so does a finished
    member to one whose report comes after it finished. A member that started late (starved
@@ -342,7 +344,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         inconsistent = [j for j in self.inconsistent() if j not in implausible]
         conformed = self.conform()
         fallback = tuple(j for j in range(self.n) if self.size(j) and (
-            not self.holds(j) or j in self.convicted or j in implausible or j in inconsistent or j in conformed))
+            not self.holds(j) or self.thrown_out(j) or j in implausible or j in inconsistent or j in conformed))
         for j in fallback:
             s, e = self.bounds[j]
             self.result[s:e] = self.vector[s:e]

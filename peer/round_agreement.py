@@ -77,7 +77,24 @@ class AgreementMixin:
             late += [i for i in range(self.n) if i != self.me and i not in counted and i not in self.dropped
                      and i not in self.finals and self.peer_ids[i] not in self.banned]
         return (self.agreed() and all(i in self.reports or i in self.finals for i in late)
-                and all(self.visible(j) for j in self.convicted))
+                and all(self.visible(j) or self.kept(j) for j in self.convicted))
+
+    def kept(self, j: int) -> bool:
+        """Whether we land part j although we hold proof that its reducer signed two means of
+        it: the proof came after the reports, which showed one mean of the part (not
+        ``visible``), and that mean is the one we hold. Every member that reported holding the
+        part holds it, those that lacked it get it forwarded, and only some of them may ever
+        see the proof (a second mean sent to us late, or handed on by a colluder): falling
+        back on it would leave us apart from the rest until a repair. The reducer is banned
+        all the same; the part is screened as any other."""
+        if j not in self.convicted or not self.holds(j) or self.visible(j):
+            return False
+        return self._means_reported(j, b"") == {self.digests()[j]}
+
+    def thrown_out(self, j: int) -> bool:
+        """Whether part j falls back because its reducer is proven to have equivocated on it
+        (every member that holds the proof, unless it ``kept`` the part)."""
+        return j in self.convicted and not self.kept(j)
 
     def visible(self, j: int) -> bool:
         """Whether the reports (ours as we sent it included) showed two means of part j: then
@@ -112,7 +129,7 @@ class AgreementMixin:
         mine = self.digests()
         out = []
         for j in range(self.n):
-            if not mine[j] or j in self.convicted or not self.came_late(j):
+            if not mine[j] or self.thrown_out(j) or not self.came_late(j):
                 continue
             without, with_ = self._tally(j, mine[j])
             if without > with_:

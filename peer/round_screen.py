@@ -28,7 +28,7 @@ class ScreenMixin:
         norms = {**self.report_norms, self.me: self.norms}
         out = []
         for j in range(self.n):
-            if not self.holds(j) or j in self.convicted:
+            if not self.holds(j) or self.thrown_out(j):
                 continue
             others = [i for i in self.contributors[j] if i != j] or [i for i in range(self.n) if i != j]
             bound = mean_norm_bound([norms[i][j] for i in others if i in norms], self.clip)
@@ -79,7 +79,7 @@ class ScreenMixin:
         dots = {**self.report_dots, self.me: self.dots}
         out = []
         for j in range(self.n):
-            if not self.holds(j) or j in self.convicted:
+            if not self.holds(j) or self.thrown_out(j):
                 continue
             others = [i for i in self.contributors[j] if i != j]
             # a contributor that did not report (or reported no norms) may be anything up to the clip

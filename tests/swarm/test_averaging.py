@@ -140,6 +140,8 @@ def fault(av, behaviour: str) -> None:
     resend it when K reports lacking it: the others must forward it); ``late:K`` pushes
     its slice to reducer K only after the push deadline (K drops it as late); ``equivocate:K``
     sends member K its reduced part x1000, validly signed, and everyone else the true one;
+    ``lateequiv:K`` sends everyone the true one and, once K's report (holding it) is in, K
+    the x1000 one, before our own report to K (a proof the reports do not show);
     ``lose:first`` loses the first stream each peer opens to it, as the libp2p daemon can
     (the frame is never read, so never acknowledged: ``peer.outbox``); ``inflate:F`` reduces
     its part as it should, then multiplies the mean by F before it encodes, signs, sends and
@@ -193,6 +195,20 @@ def fault(av, behaviour: str) -> None:
         av._on_frame = lossy
         return
     target, deliver = int(k), av._deliver
+    if kind == "lateequiv":  # the true mean to everyone; once K reported holding it, another x1000 to K
+        report = av._report
+
+        async def late_second_mean(rnd, i, frames):
+            if i == target:  # our own report to K waits until K has reported, then the second mean goes first
+                loop = asyncio.get_running_loop()
+                while target not in rnd.reports and loop.time() < rnd.agree_deadline:
+                    await asyncio.sleep(0.01)  # (the liar looks; ``rnd.changed`` is the averager's to clear)
+                second = [other_mean(av, b"".join(bytes(x) for x in f), 1000.0) for f in rnd.frames.get(rnd.me, [])]
+                await av._send_frames(rnd.peer_ids[i], second)
+            await report(rnd, i, frames)
+
+        av._report = late_second_mean
+        return
 
     async def faulty(rnd, j, frames, deadline, sent, drop_on_failure):
         if j == target and kind == "withhold" and frames is rnd.frames.get(rnd.me):
@@ -597,6 +613,29 @@ def test_a_reducer_that_sends_one_member_another_mean_is_proven_to_and_falls_bac
         assert as_tensor(avg)[bounds[0][1]:].equal(as_tensor(honest[0][1])[bounds[0][1]:])  # parts 1-3 alike
         assert any("reducer equivocated" in ln for ln in lines)
         assert elapsed < (1 + RESULT_GRACE) * 3.0 + 2.0, "the proof did not come before the agreement's deadline"
+
+
+def test_a_second_mean_sent_to_one_member_after_the_reports_is_proven_but_every_member_lands_the_reported_one(swarm):
+    """Member 0 sends everyone its true reduced part; once member 2 has reported holding it,
+    0 sends 2 that part x1000 (validly signed) and only then its own report. The reports showed
+    one mean of part 0, so only 2 (and whoever it hands the proof to) learns of the second:
+    falling back on the part there would leave 2 apart from the others until a repair. Every
+    honest member lands the same bytes, part 0 included (the mean they all reported), says
+    agreed, and 2 holds the proof against 0."""
+    peers = swarm(4)
+    fields = group_fields(peers, [1.0] * 4, "fp32", group_id=b"late-equivocate".ljust(16, b"\0"), deadline_s=3.0)
+    faults = {0: "lateequiv:2", 1: "honest", 2: "honest", 3: "honest"}
+    for i, p in enumerate(peers):
+        p.cmd.put(("allreduce", fields, 550 + i, faults[i]))
+    replies = [p.reply() for p in peers]
+    honest = [replies[i] for i in (1, 2, 3)]
+    for kind, avg, dropped, fallback, _, _, lines, more in honest:
+        assert kind == "done" and fallback == () and not dropped, (dropped, fallback, lines)
+        assert more["agreed"], lines
+        assert as_tensor(avg).equal(as_tensor(honest[0][1]))  # every part alike, part 0 included
+    _, _, _, _, _, _, lines, more = replies[2]
+    assert any("reducer equivocated" in ln for ln in lines), lines
+    assert [k for k, _ in more["offences"]] == [peers[0].public_key]
 
 
 @pytest.mark.parametrize("factor", [1000.0, 1e30])

@@ -209,11 +209,13 @@ def test_a_member_that_lacked_the_part_gets_both_means_forwarded_and_falls_back_
     asyncio.run(run())
 
 
-def test_a_proof_the_reports_did_not_show_is_passed_on_and_the_round_is_not_settled():
+def test_a_proof_the_reports_did_not_show_bans_the_reducer_and_every_member_still_lands_the_reported_mean():
     """The liar sent everyone ONES and signed TWOS for a colluder, who forwards it to member 1
     alone after the reports (all showing ONES) went out. Member 1 convicts the reducer and
-    passes the proof on to the members that hold the part; as the others may have finished
-    already, its round is not settled: the node compares states after it."""
+    passes the proof on to the members that hold the part. Only those the proof reaches know
+    of it, whenever it reaches them: each lands the part the reports showed, as the members
+    it never reaches do, so they stay alike, and the round is settled. A member that holds
+    the other mean (the colluder's) is on its own: it falls back, its round not settled."""
     async def run():
         a, c = member(1), member(3)
         for rnd in (a, c):
@@ -229,12 +231,28 @@ def test_a_proof_the_reports_did_not_show_is_passed_on_and_the_round_is_not_sett
             # the colluder reports what the others hold
             deliver(rnd, seal(PartsHeld(run_id=RUN, fragment=0, round=1, group_id=GID, digests=a.reported), KEYS[2]))
         assert a.unproven() == [] and a.settled()
+        landed_without_proof = c.land()
         deliver(a, mean(TWOS), via=2)  # the colluder forwards the other mean, after the reports
-        assert 0 in a.convicted and not a.visible(0) and not a.settled()
+        assert 0 in a.convicted and not a.visible(0) and a.kept(0) and a.settled()
+        assert [o[0] for o in a.offences.values()] == [KEYS[0].public_key]
         assert sorted(a.proof_wanted()) == [(2, 0), (3, 0)]  # those that reported holding part 0
+        c.landed = None
         for frame in a.convicted[0]:  # what a sends as proof reaches member 3
             deliver(c, frame, via=1)
-        assert 0 in c.convicted and not c.settled()
+        assert 0 in c.convicted and c.kept(0) and c.settled()
         assert [o[0] for o in c.offences.values()] == [KEYS[0].public_key]
+        for rnd in (a, c):
+            assert rnd.land() == landed_without_proof and rnd.landed[0] == rnd.reported[0]
+        assert a.result.equal(c.result)
+        # a member holding the colluder's mean (TWOS), the reports showing ONES: falls back
+        d = member(3)
+        deliver(d, mean(TWOS))
+        for j in range(1, N):
+            hold(d, j, torch.full((10,), 3.0 + j))
+        d.agreeing = True
+        d.reported = tuple(b"" if j == 0 else x for j, x in enumerate(d.digests()))  # it lacked part 0 then
+        deliver(d, report(a))
+        deliver(d, mean(ONES), via=1)
+        assert 0 in d.convicted and not d.kept(0) and not d.settled() and d.land().fallback == (0,)
 
     asyncio.run(run())
