@@ -1,7 +1,7 @@
 """The robust mean's candidates side by side: how well each holds one lying worker of four, and
 what it costs honest runs.
 
-    python bench/robust_mean.py                      # 5 aggregates x 5 liars, ~10 min on 2 cores
+    python bench/robust_mean.py                      # 6 aggregates x 5 liars, ~12 min on 2 cores
     python bench/robust_mean.py --aggregates clip1,clip2 --liars honest,constant
 
 Each run is ``peer.simulation``'s Streaming DiLoCo (4 workers, tiny preset, 120 steps, H=20,
@@ -11,6 +11,10 @@ parts' means are taken by one of:
   clipC    the shipped robust mean (``protocol.butterfly.clip_scales``) at ``sync.clip`` = C
   trim     a coordinate-wise trimmed mean: each element's largest and smallest value dropped
            (unweighted: the simulation's workers weigh alike)
+  gateT    clip1, then each contribution whose cosine with the others' clipped mean (all but
+           it) is below T counts for nothing (all count when that would leave none): a
+           candidate, not shipped (the screen and the audits would need it; see
+           docs/THREAT_MODEL.md)
   cclipC   a simple centred clipping (after Karimireddy et al., 2021): each push's deviation
            from the fragment's last mean, clipped to C x the lower median of the deviations'
            norms, one step, and no worker momentum (which their bound relies on)
@@ -41,7 +45,7 @@ from protocol.butterfly import clip_scales, slice_bounds  # noqa: E402
 from protocol.config import ConfigError, DataConfig, InnerConfig, SyncConfig, TrainConfig, model_preset  # noqa: E402
 
 LIARS = ("honest", "constant", "negated", "alie", "aimed")
-AGGREGATES = ("clip1", "clip2", "trim", "cclip1", "cclip2")
+AGGREGATES = ("clip1", "clip2", "trim", "cclip1", "cclip2", "gate0")
 
 
 def lie(vectors: list[torch.Tensor], how: str) -> list[torch.Tensor]:
@@ -66,6 +70,8 @@ def part_mean(parts: list[torch.Tensor], shares: list[float], aggregate: str, ce
     if aggregate.startswith("clip"):
         scales = clip_scales([float(p.norm()) for p in parts], float(aggregate[4:]))
         return sum(w * s * p for w, s, p in zip(shares, scales, parts))
+    if aggregate.startswith("gate"):
+        return gated_mean(parts, shares, float(aggregate[4:]))
     if aggregate == "trim":
         ordered = torch.stack(parts).sort(0).values
         return (ordered[1:-1] if len(parts) >= 4 else ordered).mean(0)
@@ -74,6 +80,21 @@ def part_mean(parts: list[torch.Tensor], shares: list[float], aggregate: str, ce
         scales = clip_scales([float(d.norm()) for d in dev], float(aggregate[5:]))
         return centre + sum(w * s * d for w, s, d in zip(shares, scales, dev))
     raise ValueError(f"unknown aggregate {aggregate!r}")
+
+
+def gated_mean(parts: list[torch.Tensor], shares: list[float], threshold: float) -> torch.Tensor:
+    """``clip1``'s terms, less those whose cosine with the sum of the other terms is below
+    ``threshold``, over the shares of those kept."""
+    scales = clip_scales([float(p.norm()) for p in parts], 1.0)
+    terms = [w * s * p for w, s, p in zip(shares, scales, parts)]
+    total = sum(terms)
+    keep = []
+    for t, p in zip(terms, parts):
+        rest = total - t
+        keep.append(float(torch.dot(p, rest)) >= threshold * float(p.norm()) * float(rest.norm()))
+    if not any(keep):
+        keep = [True] * len(parts)
+    return sum(t for t, k in zip(terms, keep) if k) / sum(w for w, k in zip(shares, keep) if k)
 
 
 def patched_allreduce(aggregate: str, liar: str):
@@ -106,6 +127,13 @@ def valid_clip(text: str) -> bool:
         return False
 
 
+def valid_threshold(text: str) -> bool:
+    try:
+        return -1.0 <= float(text) < 1.0
+    except ValueError:
+        return False
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--aggregates", default=",".join(AGGREGATES))
@@ -117,9 +145,11 @@ def main() -> int:
     args = ap.parse_args()
     aggregates, liars = args.aggregates.split(","), args.liars.split(",")
     for a in aggregates:
+        if a.startswith("gate") and valid_threshold(a[4:]):
+            continue
         clip = a[5:] if a.startswith("cclip") else a[4:] if a.startswith("clip") else None
         if a != "trim" and not (clip is not None and valid_clip(clip)):
-            ap.error(f"unknown aggregate {a!r}: one of trim, clipC, cclipC (C >= 1, e.g. clip1)")
+            ap.error(f"unknown aggregate {a!r}: one of trim, clipC, cclipC (C >= 1, e.g. clip1), gateT (-1 <= T < 1)")
     for liar in liars:
         if liar not in LIARS:
             ap.error(f"unknown liar {liar!r}: one of {', '.join(LIARS)}")
