@@ -177,7 +177,8 @@ class AllReduceOutcome:
     """Every member we waited for reported, nobody holds a part we lack, and no two members
     hold different means of one part: as far as this member can see, the group's members
     finish the round with the same average (a part proven equivocated falls back on every
-    member that holds the proof). False: compare states after the round."""
+    member that holds the proof, unless the reports showed one mean of it: ``Round.kept``,
+    and then not agreed). False: compare states after the round."""
     clipped: tuple[int, ...] = ()
     """Members whose slice we scaled down, as the reducer of our part, because its norm was
     over ``clip`` x the lower median of the contributions' norms (protocol.butterfly)."""

@@ -18,16 +18,18 @@ module holds the state, the waiters' questions and our own reduction. Three phas
 4. equivocation: a member that sees another report a digest of a part different from its own
    forwards that member its frames of the part, so each side ends up holding two different
    means signed by the reducer: proof (``protocol.evidence.equivocation``). A part so proven
-   (``convicted``) falls back on every member that holds the proof, its reducer is banned, and
+   (``convicted``) falls back on every member that holds the proof (but see below), its reducer is banned, and
    the proof goes to every member that reported holding the part (``proof_wanted``). Until a
    reported dispute is proven, or the agreement's deadline, a member does not finish: honest
    members on both sides of a real equivocation hold the proof once their forwards arrive,
    and one member's false report proves nothing, so everyone keeps the part. A proof that
    the reports did not show (a second mean that reached one member late, or through a
-   colluder: ``visible`` is False for that part) may reach some members only: each that
-   holds the mean the reports showed lands it all the same (``kept``), as those it never
-   reaches do, and bans the reducer; one holding the other mean falls back, its round not
-   ``settled``, so the node compares states after it.
+   colluder: ``visible`` is False for that part, the reducer's own report left out) may
+   reach some members only: each lands the one mean the reports of the others showed, as
+   those it never reaches do (``kept``; one that holds the other mean, or a piece, takes a
+   forward of the reported one in its place: ``replaceable``), and bans the reducer. Its
+   round is not ``settled`` (a liar with a colluder can show two members different reports),
+   so the node compares states after it.
 5. finals: a member that finishes tells every other member which parts it landed
    (``PartsHeld`` with ``final``; b"" for a part it fell back on), and so does a finished
    member to one whose report comes after it finished. A member that started late (starved
@@ -335,7 +337,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         """Decide what we land, and write it into ``result``: our own values fill the parts we
         fall back on, which are a part nobody forwarded to us nor holds (its reducer failed
         every member alike); one whose reducer we proved sent different means (every member
-        that holds the proof); one far larger than its contributions allow, or refused by the
+        that holds the proof, unless it ``kept`` the part); one far larger than its contributions allow, or refused by the
         screen (every member, from the same frames and reports: the screen's refusal is not
         proof, two members may have lied in their reports, so the part's audit convicts); or a
         late reducer's part that the members which finished first landed without. Sets

@@ -77,7 +77,7 @@ class AgreementMixin:
             late += [i for i in range(self.n) if i != self.me and i not in counted and i not in self.dropped
                      and i not in self.finals and self.peer_ids[i] not in self.banned]
         return (self.agreed() and all(i in self.reports or i in self.finals for i in late)
-                and all(self.visible(j) or self.kept(j) for j in self.convicted))
+                and all(self.visible(j) for j in self.convicted))
 
     def kept(self, j: int) -> bool:
         """Whether we land part j although we hold proof that its reducer signed two means of
@@ -85,11 +85,19 @@ class AgreementMixin:
         ``visible``), and that mean is the one we hold. Every member that reported holding the
         part holds it, those that lacked it get it forwarded, and only some of them may ever
         see the proof (a second mean sent to us late, or handed on by a colluder): falling
-        back on it would leave us apart from the rest until a repair. The reducer is banned
-        all the same; the part is screened as any other."""
-        if j not in self.convicted or not self.holds(j) or self.visible(j):
-            return False
-        return self._means_reported(j, b"") == {self.digests()[j]}
+        back on it would leave us apart from the rest. The reducer is banned all the same, the
+        part is screened as any other, and the round is not ``settled``: the reports a member
+        judges by came to it alone, and a liar with a colluder can show two members different
+        ones, so the node compares states after the round."""
+        return j in self.convicted and self.holds(j) and self.reported_mean(j) == self.digests()[j]
+
+    def replaceable(self, j: int) -> bool:
+        """Whether we hold proof against part j's reducer, the reports showed one mean of it,
+        and we lack that mean (we hold the other one, which came first, or a piece of one):
+        a forward of the reported mean is taken in place of what we hold (``accept_forwarded``),
+        so that we land what the others land."""
+        return j in self.convicted and (mean := self.reported_mean(j)) is not None and (
+            not self.holds(j) or self.digests()[j] != mean)
 
     def thrown_out(self, j: int) -> bool:
         """Whether part j falls back because its reducer is proven to have equivocated on it
@@ -97,17 +105,30 @@ class AgreementMixin:
         return j in self.convicted and not self.kept(j)
 
     def visible(self, j: int) -> bool:
-        """Whether the reports (ours as we sent it included) showed two means of part j: then
-        every member that got them waited for the proof of it."""
-        return len(self._means_reported(j, self.reported[j] if self.reported else b"")) > 1
+        """Whether the reports of members other than the part's reducer (ours as we sent it
+        included) showed two means of part j: then every member that got them waited for the
+        proof of it. A convicted reducer's own report counts for nothing: it could show one
+        member another digest of its part than it shows the rest."""
+        return len(self._means_shown(j)) > 1
+
+    def reported_mean(self, j: int) -> bytes | None:
+        """The one digest of part j that the reports of members other than its reducer (ours
+        included) show; None when they show none, or two."""
+        shown = self._means_shown(j)
+        return next(iter(shown)) if len(shown) == 1 else None
+
+    def _means_shown(self, j: int) -> set[bytes]:
+        mine = self.reported[j] if self.reported else b""
+        return {r[j] for i, r in self.reports.items() if i != j and r[j]} | ({mine} if mine else set())
 
     def _means_reported(self, j: int, mine: bytes) -> set[bytes]:
         """The distinct digests of part j in the members' reports and ``mine`` (b"": none)."""
         return {r[j] for r in self.reports.values() if r[j]} | ({mine} if mine else set())
 
     def wanted(self) -> list[int]:
-        """Parts that we lack and another member reports holding."""
-        return [j for j in range(self.n) if self.size(j) and not self.holds(j) and j not in self.convicted
+        """Parts that we lack and another member reports holding, and ``replaceable`` ones."""
+        return [j for j in range(self.n) if self.size(j) and (not self.holds(j) and j not in self.convicted
+                                                              or self.replaceable(j))
                 and any(r[j] for r in (*self.reports.values(), *self.finals.values()))]
 
     def came_late(self, j: int) -> bool:

@@ -116,11 +116,15 @@ class IntakeMixin:
             return  # unasked for
         if self.holds(j) or j in self.convicted:  # here already: the same mean, or proof of another
             self._check_equivocation(j, msg, v.payload_digest, data, self._taken(j) if self.holds(j) else [])
-            return
-        if self._check_equivocation(j, msg, v.payload_digest, data,
-                                    [(c[0], c[1], c[4], c[3], c[2]) for (p, _), cs in self.repairs.items() if p == j
-                                     for c in cs]):
-            return
+            if not self.replaceable(j):
+                return
+            # proven, and we lack the one mean the reports showed: each forwarder's frames are
+            # collected apart, and a whole set taken in place of ours (``_take_repair``)
+        elif self._check_equivocation(j, msg, v.payload_digest, data,
+                                      [(c[0], c[1], c[4], c[3], c[2]) for (p, _), cs in self.repairs.items()
+                                       if p == j for c in cs]):
+            if not self.replaceable(j):
+                return
         seen = (f, "forwarded", j, msg.offset, bytes(v.payload_digest))
         if seen in self._seen:
             return  # sent again because its acknowledgement did not come in time (peer.outbox)
@@ -172,7 +176,7 @@ class IntakeMixin:
                 continue
             self.convicted[j] = (bytes(frame), bytes(data))
             log.warning("reducer equivocated part=%d peer=%s group=%s: two different means, signed; the part "
-                        "falls back", j, self.peer_ids[j], self.group.group_id.hex())
+                        "falls back unless the reports showed one mean of it", j, self.peer_ids[j], self.group.group_id.hex())
             if len(self.offences) < MAX_OFFENCES and proven[0] not in self.offences:
                 self.offences[proven[0]] = (proven[0], proven[1], self.convicted[j])
             self.changed.set()
