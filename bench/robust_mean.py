@@ -1,20 +1,25 @@
 """The robust mean's candidates side by side: how well each holds one lying worker of four, and
 what it costs honest runs.
 
-    python bench/robust_mean.py                      # 6 aggregates x 5 liars, ~12 min on 2 cores
+    python bench/robust_mean.py                      # 7 aggregates x 5 liars, ~14 min on 2 cores
     python bench/robust_mean.py --aggregates clip1,clip2 --liars honest,constant
 
 Each run is ``peer.simulation``'s Streaming DiLoCo (4 workers, tiny preset, 120 steps, H=20,
 P=2, tau=1, alpha=0.5, fp4) whose last worker lies the same way in every sync, and whose
 parts' means are taken by one of:
 
-  clipC    the shipped robust mean (``protocol.butterfly.clip_scales``) at ``sync.clip`` = C
+  clipC    the robust mean's clip alone (``protocol.butterfly.clip_scales``) at ``sync.clip`` = C
+           (``sync.gate`` false: clip1 is the default of runs made before the gate)
+  clipCg   the shipped robust mean (``protocol.butterfly.robust_factors``): the clip at C, then
+           the direction gate (a term pointing against the others' sum counts for nothing, its
+           weight kept in the total); clip1g is the default
   trim     a coordinate-wise trimmed mean: each element's largest and smallest value dropped
            (unweighted: the simulation's workers weigh alike)
   gateT    clip1, then each contribution whose cosine with the others' clipped mean (all but
-           it) is below T counts for nothing (all count when that would leave none): a
-           candidate, not shipped (the screen and the audits would need it; see
-           docs/THREAT_MODEL.md)
+           it) is below T counts for nothing, over the shares of those kept (all count when
+           that would leave none): the candidate measured before clip1g, which differs in
+           keeping the gated weight in the total (so the screen's and audits' shares stay
+           fixed)
   cclipC   a simple centred clipping (after Karimireddy et al., 2021): each push's deviation
            from the fragment's last mean, clipped to C x the lower median of the deviations'
            norms, one step, and no worker momentum (which their bound relies on)
@@ -41,11 +46,11 @@ from benchutil import print_table, write_json  # noqa: E402
 
 import peer.simulation as simulation  # noqa: E402
 from peer.data import load_corpus  # noqa: E402
-from protocol.butterfly import clip_scales, slice_bounds  # noqa: E402
+from protocol.butterfly import clip_scales, robust_factors, slice_bounds  # noqa: E402
 from protocol.config import ConfigError, DataConfig, InnerConfig, SyncConfig, TrainConfig, model_preset  # noqa: E402
 
 LIARS = ("honest", "constant", "negated", "alie", "aimed")
-AGGREGATES = ("clip1", "clip2", "trim", "cclip1", "cclip2", "gate0")
+AGGREGATES = ("clip1g", "clip1", "clip2", "trim", "cclip1", "cclip2", "gate0")
 
 
 def lie(vectors: list[torch.Tensor], how: str) -> list[torch.Tensor]:
@@ -67,6 +72,10 @@ def lie(vectors: list[torch.Tensor], how: str) -> list[torch.Tensor]:
 
 def part_mean(parts: list[torch.Tensor], shares: list[float], aggregate: str, centre: torch.Tensor) -> torch.Tensor:
     """One part's mean (float64) of the decoded ``parts`` under ``aggregate``."""
+    if aggregate.startswith("clip") and aggregate.endswith("g"):
+        scales, _ = robust_factors([float(p.norm()) for p in parts], shares, float(aggregate[4:-1]), True,
+                                   parts.__getitem__)
+        return sum(w * s * p for w, s, p in zip(shares, scales, parts))
     if aggregate.startswith("clip"):
         scales = clip_scales([float(p.norm()) for p in parts], float(aggregate[4:]))
         return sum(w * s * p for w, s, p in zip(shares, scales, parts))
@@ -101,7 +110,7 @@ def patched_allreduce(aggregate: str, liar: str):
     last: dict[int, torch.Tensor] = {}  # per fragment (syncs alternate with P = 2): its last mean
     calls = [0]
 
-    def allreduce(vectors, weights, codec, clip=0.0):
+    def allreduce(vectors, weights, codec, clip=0.0, gate=False):
         vectors = lie(list(vectors), liar)
         fragment = calls[0] % 2
         calls[0] += 1
@@ -147,9 +156,9 @@ def main() -> int:
     for a in aggregates:
         if a.startswith("gate") and valid_threshold(a[4:]):
             continue
-        clip = a[5:] if a.startswith("cclip") else a[4:] if a.startswith("clip") else None
+        clip = a[5:] if a.startswith("cclip") else a[4:].removesuffix("g") if a.startswith("clip") else None
         if a != "trim" and not (clip is not None and valid_clip(clip)):
-            ap.error(f"unknown aggregate {a!r}: one of trim, clipC, cclipC (C >= 1, e.g. clip1), gateT (-1 <= T < 1)")
+            ap.error(f"unknown aggregate {a!r}: one of trim, clipC, clipCg, cclipC (C >= 1, e.g. clip1), gateT (-1 <= T < 1)")
     for liar in liars:
         if liar not in LIARS:
             ap.error(f"unknown liar {liar!r}: one of {', '.join(LIARS)}")

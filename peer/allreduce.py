@@ -197,6 +197,9 @@ class AllReduceOutcome:
     kept_waiting_s: float = 0.0
     """How long half the other members' frames for this group had waited for us when we
     started it: we reached the round that much after them (``peer.pace``)."""
+    gated: tuple[int, ...] = ()
+    """Members whose slice the direction gate took out of our part's mean (it pointed against
+    the others' sum: ``protocol.butterfly.robust_factors``)."""
 
 
 class Averager(InboundMixin, SendMixin, WaitMixin):
@@ -212,7 +215,7 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
                  max_pending_groups_per_peer: int | None = None, max_pending_bytes_per_peer: int | None = None,
                  max_streams_per_peer: int = 32, pending_ttl_s: float = 120.0, read_timeout_s: float = 30.0,
                  upload: RateLimiter | None = None, download: RateLimiter | None = None,
-                 clip: float = 1.0, max_weight: float = 1e18, audit: float = 0.0):
+                 clip: float = 1.0, max_weight: float = 1e18, audit: float = 0.0, gate: bool = False):
         if not 2 * HEAD_ROOM <= max_frame_bytes <= MAX_FRAME_BYTES:
             raise LocalProtocolError(f"max_frame_bytes must be in [{2 * HEAD_ROOM}, {MAX_FRAME_BYTES}], "
                                      f"got {max_frame_bytes}")
@@ -232,8 +235,9 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         self._gate = StreamGate(max_streams_per_peer)
         self.read_timeout_s = read_timeout_s
         self.clip = clip  # the run's sync.clip: robust mean (protocol.butterfly)
+        self.direction_gate = gate  # the run's sync.gate (protocol.butterfly.robust_factors)
         self.max_weight = max_weight  # the run's most tokens one sync may cover
-        self.audits = Audits(self, audit, clip)
+        self.audits = Audits(self, audit, clip, gate)
         """Our audits of other reducers' means (``peer.audit``; ``audit``: the run's sync.audit)."""
         self.banned: set[str] | frozenset[str] = frozenset()
         """Peer IDs banned for a proven lie: their pushes are averaged by no round of ours
@@ -300,7 +304,7 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
             raise LocalProtocolError(f"group {gid.hex()} is already averaging")
         excluded = frozenset(i for i, key in enumerate(group.members) if peer_id_from_public_key(key) in self.banned)
         rnd = Round(group, me, vec, get_codec(group.codec), self.clip, excluded, self.banned,
-                    chunk=chunk_elements(self.max_frame_bytes))
+                    chunk=chunk_elements(self.max_frame_bytes), gate=self.direction_gate)
         rnd.stopping = stopping
         rnd.quiet = self.quiet.of(rnd.peer_ids, me)
         rnd.grace_share = self.quiet.share(rnd.peer_ids, me)
@@ -421,7 +425,7 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
                                 rnd.said_agreed,
                                 tuple(rnd.clipped),
                                 tuple(bytes(rnd.group.members[j]) for j in implausible), offences, tuple(conformed),
-                                kept_waiting)
+                                kept_waiting, tuple(rnd.gated))
 
     @staticmethod
     def _finals_in(rnd: Round, conformed: Collection[int]) -> bool:

@@ -53,7 +53,7 @@ import msgpack
 import torch
 
 from protocol.audit import contribution_digest, inputs_digest
-from protocol.butterfly import (chunk_elements, clip_scales, lower_median, slice_bounds, slice_norm, witnessed,
+from protocol.butterfly import (chunk_elements, lower_median, robust_factors, slice_bounds, slice_norm, witnessed,
                                 witnesses_of)
 from protocol.codecs import Codec
 from protocol.identity import peer_id_from_public_key
@@ -104,8 +104,8 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
 
     def __init__(self, group: Any, me: int, vector: torch.Tensor, codec: Codec, clip: float = 0.0,
                  excluded: frozenset[int] = frozenset(), banned: Any = frozenset(),
-                 chunk: int = chunk_elements(MAX_FRAME_BYTES)):
-        self.group, self.me, self.codec, self.clip = group, me, codec, clip
+                 chunk: int = chunk_elements(MAX_FRAME_BYTES), gate: bool = False):
+        self.group, self.me, self.codec, self.clip, self.gate = group, me, codec, clip, gate
         self.chunk = chunk
         """Elements per chunk of a slice (``protocol.butterfly.chunk_elements`` of the run's
         frame size): every slice's frames, ours and others', are on this grid."""
@@ -136,6 +136,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         self.result = torch.empty(group.numel, dtype=torch.float32)
         self.dropped: dict[int, str] = {}  # member -> reason
         self.clipped: list[int] = []  # members whose slice we scaled down as too large
+        self.gated: list[int] = []  # members whose slice the direction gate took out of our mean
         # signed frames that failed a check and prove a lie (protocol.evidence): signer -> (key, why, frame)
         self.offences: dict[bytes, tuple[bytes, str, bytes | tuple[bytes, bytes]]] = {}
         self.convicted: dict[int, tuple[bytes, bytes]] = {}  # part -> two different means its reducer signed
@@ -375,8 +376,10 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
 
     def reduce(self) -> tuple[torch.Tensor, tuple[int, ...], float]:
         """Our slice's weighted mean over the members we have all of, in member order, each
-        contribution scaled down to ``clip`` x the lower median norm first, as
-        peer.simulation.allreduce does it. -> (fp32 mean, contributors, their total weight)."""
+        contribution scaled down to ``clip`` x the lower median norm first, and under the
+        direction gate (``gate``) one that points against the others' sum counting for nothing
+        (``protocol.butterfly.robust_factors``), as peer.simulation.allreduce does it.
+        -> (fp32 mean, contributors, their total weight)."""
         me, (s, e) = self.me, self.bounds[self.me]
         if sum(n for _, n, _ in self.own_chunks) != e - s:
             raise RuntimeError("Round.own() gives our own slice before reduce()")
@@ -385,11 +388,16 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         total_w = float(sum(self.group.weights[i] for i in contrib))
         own = self.own_chunks
         norms = [slice_norm(self._decoded(i, own if i == me else None)) for i in contrib]
-        scales = clip_scales(norms, self.clip)
+        scales, gated = robust_factors(norms, [self.group.weights[i] / total_w for i in contrib], self.clip,
+                                       self.gate, lambda k: self._decoded(contrib[k], own if contrib[k] == me else None))
         median = lower_median(norms)
         acc = torch.zeros(e - s, dtype=torch.float32)
-        for i, norm, scale in zip(contrib, norms, scales):
-            if scale < 1.0:
+        for k, (i, norm, scale) in enumerate(zip(contrib, norms, scales)):
+            if k in gated:
+                self.gated.append(i)
+                log.info("gated slice (it points against the others' sum: counts for nothing) peer=%s group=%s",
+                         self.peer_ids[i], self.group.group_id.hex())
+            elif scale < 1.0:
                 self.clipped.append(i)
                 # at clip 1 half of an honest group is brought down a few percent every round:
                 # a warning for a slice beyond twice the lower median only (as at clip 2)

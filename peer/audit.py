@@ -109,8 +109,8 @@ class _Open:
 class Audits:
     """One averager's audits (see the module docstring)."""
 
-    def __init__(self, averager: Averager, rate: float, clip: float):
-        self.averager, self.rate, self.clip = averager, rate, clip
+    def __init__(self, averager: Averager, rate: float, clip: float, gate: bool = False):
+        self.averager, self.rate, self.clip, self.gate = averager, rate, clip, gate
         self._open: dict[tuple[bytes, int], _Open] = {}
         self._answered: deque[tuple[bytes, str]] = deque(maxlen=_ANSWERED_MEMORY)
         self._closed: deque[tuple[bytes, int, str]] = deque(maxlen=_ANSWERED_MEMORY)  # (group, part, reducer)
@@ -169,7 +169,7 @@ class Audits:
         finally:
             del self._open[key]
             self._closed.append((bytes(g.group_id), j, pending.reducer))
-        verdict, reducer, why = await asyncio.to_thread(check, mean_frames, pending.frames, g.run_id, self.clip)
+        verdict, reducer, why = await asyncio.to_thread(check, mean_frames, pending.frames, g.run_id, self.clip, self.gate)
         self.counts[verdict] += 1
         suspended, lied = 0, False
         if verdict == UNPROVEN and self.distrust is not None:
@@ -361,7 +361,7 @@ class Audits:
             async with self._one_check:
                 if accused in self._convicted:
                     return  # proven by a check that ran while this one waited
-                proven = await asyncio.to_thread(proves, frames, self.averager.run_id, self.clip)
+                proven = await asyncio.to_thread(proves, frames, self.averager.run_id, self.clip, self.gate)
         finally:
             self._checking_bytes -= nbytes
         if proven is None:

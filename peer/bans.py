@@ -49,9 +49,10 @@ class Ban:
 class Bans:
     """The bans of one run (see the module docstring)."""
 
-    def __init__(self, directory: Path, run_id: bytes, clip: float = 0.0):
+    def __init__(self, directory: Path, run_id: bytes, clip: float = 0.0, gate: bool = False):
         self.directory, self.run_id = Path(directory), bytes(run_id)
         self.clip = clip  # the run's sync.clip: an audit's proof is checked with it
+        self.gate = gate  # and its sync.gate
         self._bans: dict[bytes, Ban] = {}
         self._saved = 0  # bytes of evidence on disk
         self.peer_ids: set[str] = set()
@@ -69,7 +70,7 @@ class Bans:
             except OSError as e:
                 log.warning("could not read ban evidence path=%s reason=%s", path, e.strerror)
                 continue
-            proven = proves(_frames(path, data), self.run_id, self.clip)
+            proven = proves(_frames(path, data), self.run_id, self.clip, self.gate)
             if proven is None or peer_id_from_public_key(proven[0]) != path.stem:
                 log.warning("ban evidence proves nothing and is ignored path=%s (delete it, or restore the "
                             "original file)", path)
@@ -82,7 +83,7 @@ class Bans:
         key is banned already."""
         frames = ((bytes(evidence),) if isinstance(evidence, (bytes, bytearray, memoryview))
                   else tuple(bytes(f) for f in evidence))
-        proven = proves(frames, self.run_id, self.clip)
+        proven = proves(frames, self.run_id, self.clip, self.gate)
         if proven is None or proven[0] != key or key in self._bans:
             return False
         peer_id = peer_id_from_public_key(key)

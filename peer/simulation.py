@@ -20,7 +20,7 @@ import torch
 from peer.data import Corpus, ShardSampler, heldout_batches, load_corpus
 from peer.model import Transformer
 from peer.worker import Worker, evaluate, pick_device
-from protocol.butterfly import clip_scales, slice_bounds, slice_norm, witnessed, witnesses_of
+from protocol.butterfly import robust_factors, slice_bounds, slice_norm, witnessed, witnesses_of
 from protocol.codecs import Codec, get_codec
 from protocol.config import ConfigError, TrainConfig
 
@@ -107,7 +107,7 @@ def aimed(delta: torch.Tensor, aim: str) -> torch.Tensor:
 
 
 def reduce_part(vectors: list[torch.Tensor], shares: list[float], j: int, codec: Codec,
-                clip: float = 0.0) -> tuple[bytes, list[torch.Tensor], list[bytes]]:
+                clip: float = 0.0, gate: bool = False) -> tuple[bytes, list[torch.Tensor], list[bytes]]:
     """Reducer j's part of a butterfly all-reduce, as ``peer.allreduce_round.Round.reduce``
     computes it (``shares``: weight / total weight). -> (its encoded mean, each member's slice
     as the reducer averaged it (decoded: its own too, as its witnesses get it), each member's
@@ -115,7 +115,7 @@ def reduce_part(vectors: list[torch.Tensor], shares: list[float], j: int, codec:
     s, e = slice_bounds(vectors[0].numel(), len(vectors))[j]
     data = [codec.encode(v[s:e]) for v in vectors]
     slices = [codec.decode(d, e - s) for d in data]
-    scales = clip_scales([slice_norm(x) for x in slices], clip)
+    scales, _ = robust_factors([slice_norm(x) for x in slices], shares, clip, gate, slices.__getitem__)
     acc = torch.zeros(e - s, dtype=torch.float32)  # reducer j's fp32 accumulator
     for i in range(len(vectors)):
         codec.decode_add_(acc, data[i], shares[i] * scales[i])
@@ -123,9 +123,10 @@ def reduce_part(vectors: list[torch.Tensor], shares: list[float], j: int, codec:
 
 
 def allreduce(vectors: list[torch.Tensor], weights: list[float], codec: Codec,
-              clip: float = 0.0) -> tuple[torch.Tensor, list[int]]:
+              clip: float = 0.0, gate: bool = False) -> tuple[torch.Tensor, list[int]]:
     """Weighted mean of ``vectors`` by a butterfly all-reduce through ``codec``, each reducer
-    scaling contributions down to ``clip`` times the lower median norm (0: the plain mean).
+    scaling contributions down to ``clip`` times the lower median norm (0: the plain mean), and
+    under the direction gate (``gate``) leaving out those that point against the others' sum.
 
     Returns the mean every member ends up with (bit-identical for all) and the bytes each
     member sent. A group of one sends nothing and keeps its own vector exactly.
@@ -139,7 +140,7 @@ def allreduce(vectors: list[torch.Tensor], weights: list[float], codec: Codec,
     result = torch.empty(numel, dtype=torch.float32)
     sent = [0] * n
     for j, (s, e) in enumerate(slice_bounds(numel, n)):
-        out, _, data = reduce_part(vectors, w, j, codec, clip)
+        out, _, data = reduce_part(vectors, w, j, codec, clip, gate)
         for i, d in enumerate(data):
             # j's own slice goes to each of its witnesses (a group with them)
             sent[i] += len(d) if i != j else len(d) * len(witnesses_of(j, n, b"")) if witnessed(n, clip) else 0
@@ -200,7 +201,7 @@ class Simulation:
                     deltas[-1] = torch.full_like(deltas[-1], self.cfg.liar_fill)
                 if self.cfg.liar_aim:
                     deltas[-1] = aimed(deltas[-1], self.cfg.liar_aim)
-                avg, sent = allreduce(deltas, weights, self.codec, tc.sync.clip)
+                avg, sent = allreduce(deltas, weights, self.codec, tc.sync.clip, tc.sync.gate)
                 self._account(sent)
                 kept: tuple = ()
                 every = self.cfg.fallback_every

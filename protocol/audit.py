@@ -46,7 +46,7 @@ from typing import Any
 import msgpack
 import torch
 
-from protocol.butterfly import clip_scales, slice_norm
+from protocol.butterfly import GATE_CHOICES, clip_scales, gate_view, slice_norm
 from protocol.codecs import get_codec
 from protocol.envelope import Verified, verify
 from protocol.errors import ProtocolError, RemoteProtocolError
@@ -81,7 +81,7 @@ def inputs_digest(contributions: Iterable[bytes]) -> bytes:
 
 
 def check(mean_frames: Sequence[bytes], input_frames: Sequence[bytes], run_id: bytes,
-          clip: float) -> tuple[str, bytes | None, str]:
+          clip: float, gate: bool = False) -> tuple[str, bytes | None, str]:
     """-> (``OK`` | ``WRONG`` | ``UNPROVEN``, the reducer's key or None, what was found); see the
     module docstring. Never raises on bad frames: they prove nothing (``UNPROVEN``)."""
     try:
@@ -92,13 +92,13 @@ def check(mean_frames: Sequence[bytes], input_frames: Sequence[bytes], run_id: b
         return UNPROVEN, None, "no mean"
     reducer = means[0].signer
     try:
-        return _check(means, input_frames, run_id, clip)
+        return _check(means, input_frames, run_id, clip, gate)
     except (ProtocolError, ValueError) as e:
         return UNPROVEN, reducer, str(e)[:200]
 
 
 def _check(means: list[Verified], input_frames: Sequence[bytes], run_id: bytes,
-           clip: float) -> tuple[str, bytes | None, str]:
+           clip: float, gate: bool) -> tuple[str, bytes | None, str]:
     head = means[0].message
     assert isinstance(head, SliceAveraged)
     reducer = means[0].signer
@@ -148,17 +148,26 @@ def _check(means: list[Verified], input_frames: Sequence[bytes], run_id: bytes,
     if not math.isclose(total, head.weight, rel_tol=1e-9, abs_tol=1e-12):
         return WRONG, reducer, (f"SliceAveraged: a mean of part {head.part} (round {head.round}, fragment "
                                 f"{head.fragment}) over a weight of {head.weight:g}, from inputs weighing {total:g}")
-    acc = torch.zeros(end - start, dtype=torch.float32)
-    scale_sum = 0.0
-    for k, x, norm, scale in zip(keys, values, norms, scales):
-        w = weights[k] / total * scale
-        acc.add_(x, alpha=w)
-        scale_sum += w * norm
-    off = _beyond_rounding(codec, mean_chunks, start, acc)
-    if off > TOLERANCE * scale_sum + 1e-30:
-        return WRONG, reducer, (f"SliceAveraged: a mean of part {head.part} (round {head.round}, fragment "
-                                f"{head.fragment}) {off:.3g} away from the one its committed inputs give")
-    return OK, reducer, f"within {off:.3g}"
+    shares = [weights[k] / total for k in keys]
+    choices: Iterable[frozenset[int]] | None = [frozenset()]
+    if gate and clip and len(keys) >= 3:  # as protocol.butterfly.robust_factors
+        choices = gate_view([w * s for w, s in zip(shares, scales)], norms, values.__getitem__).possible()
+        if choices is None:  # more contributions on the gate's line than an audit can try: nothing to say
+            return OK, reducer, f"over {GATE_CHOICES} contributions within the direction gate's margin"
+    best = math.inf
+    for gated in choices:  # each gate decision an honest reducer may have taken
+        acc = torch.zeros(end - start, dtype=torch.float32)
+        scale_sum = 0.0
+        for i, (x, norm, scale) in enumerate(zip(values, norms, scales)):
+            w = 0.0 if i in gated else shares[i] * scale
+            acc.add_(x, alpha=w)
+            scale_sum += w * norm
+        off = _beyond_rounding(codec, mean_chunks, start, acc)
+        if off <= TOLERANCE * scale_sum + 1e-30:
+            return OK, reducer, f"within {off:.3g}"
+        best = min(best, off)
+    return WRONG, reducer, (f"SliceAveraged: a mean of part {head.part} (round {head.round}, fragment "
+                            f"{head.fragment}) {best:.3g} away from the one its committed inputs give")
 
 
 def _beyond_rounding(codec: Any, chunks: list[tuple[int, int, bytes]], start: int, acc: torch.Tensor) -> float:
@@ -188,7 +197,7 @@ def _beyond_rounding(codec: Any, chunks: list[tuple[int, int, bytes]], start: in
     return math.sqrt(total)
 
 
-def wrong_mean(frames: Sequence[bytes], run_id: bytes, clip: float) -> tuple[bytes, str] | None:
+def wrong_mean(frames: Sequence[bytes], run_id: bytes, clip: float, gate: bool = False) -> tuple[bytes, str] | None:
     """(the reducer's key, what it did) if ``frames`` (a part's ``SliceAveraged`` frames and the
     inputs its reducer showed, in any order) prove that it signed a wrong mean; else None."""
     means, inputs = [], []
@@ -198,7 +207,7 @@ def wrong_mean(frames: Sequence[bytes], run_id: bytes, clip: float) -> tuple[byt
         except RemoteProtocolError:
             return None
         (means if isinstance(kind, SliceAveraged) else inputs).append(f)
-    verdict, key, why = check(means, inputs, run_id, clip)
+    verdict, key, why = check(means, inputs, run_id, clip, gate)
     return (key, why) if verdict == WRONG and key is not None else None
 
 

@@ -91,10 +91,11 @@ def own_contradiction(mean_frame: bytes, own_frame: bytes, run_id: bytes) -> tup
                          f"to its witness is not the one its mean commits to")
 
 
-def proves(frames: Sequence[bytes], run_id: bytes, clip: float = 0.0) -> tuple[bytes, str] | None:
+def proves(frames: Sequence[bytes], run_id: bytes, clip: float = 0.0, gate: bool = False) -> tuple[bytes, str] | None:
     """What ``frames`` prove, if anything: one frame through ``offence``, two through
     ``equivocation`` (or, failing that, an audit), more through ``protocol.audit.wrong_mean``
-    (a part's mean and the inputs its reducer showed; ``clip``: the run's sync.clip).
+    (a part's mean and the inputs its reducer showed; ``clip``, ``gate``: the run's sync.clip
+    and sync.gate).
     -> (the liar's key, what it did) or None."""
     if len(frames) == 1:
         return offence(frames[0], run_id)
@@ -103,7 +104,7 @@ def proves(frames: Sequence[bytes], run_id: bytes, clip: float = 0.0) -> tuple[b
     if len(frames) == 2 and (proven := own_contradiction(frames[0], frames[1], run_id)) is not None:
         return proven
     if len(frames) >= 2:
-        return wrong_mean(frames, run_id, clip)
+        return wrong_mean(frames, run_id, clip, gate)
     return None
 
 

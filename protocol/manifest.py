@@ -136,9 +136,10 @@ class RunManifest(Message):
     name: Annotated[str, Str(min_len=1, max_len=64)]
     """Short human name shown in run lists."""
     description: Annotated[str, Str(max_len=4000, multiline=True)]
-    train: Annotated[TrainConfig, ConfigOf(TrainConfig)]
+    train: Annotated[TrainConfig, ConfigOf(TrainConfig, absent=(("sync.gate", False),))]
     """Model, data (source, seed, held-out split), inner and outer optimizers, and the sync
-    schedule: H, P, tau, alpha and the codec."""
+    schedule: H, P, tau, alpha and the codec. A manifest made before ``sync.gate`` existed
+    lacks it and keeps the rules it was made with: no gate."""
     swarm: Annotated[SwarmConfig, ConfigOf(SwarmConfig)]
     creator: PublicKey
     """The creator's raw Ed25519 key; the manifest's envelope must be signed by it."""

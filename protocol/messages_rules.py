@@ -190,15 +190,25 @@ class Opt(Rule):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ConfigOf(Rule):
-    """A ``protocol.config``-style dataclass; on the wire a map with sorted keys."""
+    """A ``protocol.config``-style dataclass; on the wire a map with sorted keys. ``absent``:
+    (dotted path, value) for fields newer than the message, taken when the map lacks them (a
+    field whose default for new configs is not what older messages meant)."""
 
     cls: type
+    absent: tuple[tuple[str, Any], ...] = ()
 
     def check(self, v: Any, where: str) -> Any:
         if isinstance(v, self.cls):
             return v
         if not isinstance(v, dict):
             raise FieldError(f"{where} must be a map, got {describe(v)}")
+        for path, value in self.absent:
+            *sections, name = path.split(".")
+            at = v
+            for s in sections:
+                at = at.get(s) if isinstance(at, dict) else None
+            if isinstance(at, dict) and name not in at:
+                v = _with(v, [*sections, name], value)
         try:
             return from_dict(self.cls, v, where)
         except ConfigError as e:
@@ -206,6 +216,12 @@ class ConfigOf(Rule):
 
     def to_wire(self, v: Any) -> Any:
         return _sorted_maps(to_dict(v))
+
+
+def _with(d: dict[str, Any], path: list[str], value: Any) -> dict[str, Any]:
+    """A copy of nested maps ``d`` with ``value`` at ``path`` (the given maps are left alone)."""
+    head, *rest = path
+    return {**d, head: _with(d[head], rest, value) if rest else value}
 
 
 def _sorted_maps(d: dict[str, Any]) -> dict[str, Any]:

@@ -37,6 +37,7 @@ _FIELDS = {
     "inner_steps": ("sync", "inner_steps"), "fragments": ("sync", "fragments"),
     "overlap": ("sync", "overlap"), "alpha": ("sync", "alpha"), "codec": ("sync", "codec"), "late_share": ("sync", "late_share"),
     "follow": ("sync", "follow"), "clip": ("sync", "clip"), "audit": ("sync", "audit"),
+    "gate": ("sync", "gate"),
     "group_size": ("swarm", "group_size"), "matchmaking_timeout": ("swarm", "matchmaking_timeout_s"),
     "allreduce_timeout": ("swarm", "allreduce_timeout_s"), "state_chunk_timeout": ("swarm", "state_chunk_timeout_s"),
     "heartbeat_interval": ("swarm", "heartbeat_interval_s"), "heartbeat_ttl": ("swarm", "heartbeat_ttl_s"),
@@ -96,6 +97,9 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(default: a node slower than the swarm follows its rounds with the steps it managed)")
     g.add_argument("--clip", type=float, help="robust mean: a slice is scaled to at most this x the lower median "
                                               "norm (default 1; 0: plain mean)")
+    g.add_argument("--no-gate", dest="gate", action="store_const", const=False,
+                   help="robust mean without the direction gate (default: a slice pointing against the others' "
+                        "sum counts for nothing; see docs/THREAT_MODEL.md)")
     g.add_argument("--audit", type=float, help="chance a member audits each other reducer's mean after a round "
                                                "(default 0.1; 0: never; see docs/THREAT_MODEL.md)")
     g = new.add_argument_group("swarm")
@@ -211,7 +215,7 @@ def run_show(args: argparse.Namespace) -> int:
           f"d_model {m.train.model.d_model}")
     s = m.train.sync
     print(f"sync         {s.method} H={s.inner_steps} P={s.fragments} tau={s.overlap} alpha={s.alpha} codec={s.codec} "
-          f"clip={s.clip} audit={s.audit} late_share={s.late_share} {'follow' if s.follow else 'lockstep'}")
+          f"clip={s.clip} gate={'on' if s.gate else 'off'} audit={s.audit} late_share={s.late_share} {'follow' if s.follow else 'lockstep'}")
     print(f"data         {_data_line(m.train)}")
     print(f"swarm        group of {m.swarm.group_size}, matchmaking {m.swarm.matchmaking_timeout_s:g} s, "
           f"all-reduce {m.swarm.allreduce_timeout_s:g} s")

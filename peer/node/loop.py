@@ -149,7 +149,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             swarm = self.signed.manifest.swarm
             train = self.signed.manifest.train
             self.averager = Averager(self.net.p2p, self.identity, self.run_id, upload=self.upload_limiter,
-                                     download=self.download_limiter, clip=train.sync.clip,
+                                     download=self.download_limiter, clip=train.sync.clip, gate=train.sync.gate,
                                      max_weight=train.max_sync_tokens(), audit=train.sync.audit)
             self.averager.reconnect = self._reconnect_relayed
             if lies := parse_lies(_FAULT):  # the swarm tests' lying peer (peer.node.faults)
@@ -167,7 +167,8 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
                                             chunk_bytes=swarm.state_chunk_bytes, max_concurrent=DONOR_SESSIONS)
             self.net.call(self.state_server.start(), timeout=30)
             self.ledger = CreditLedger(self.cfg.data_dir / self.signed.run_id_text / "credit.json")
-            self.bans = Bans(self.cfg.data_dir / self.signed.run_id_text / "bans", self.run_id, train.sync.clip)
+            self.bans = Bans(self.cfg.data_dir / self.signed.run_id_text / "bans", self.run_id, train.sync.clip,
+                              train.sync.gate)
             self.bans.load()
             self.averager.banned = self.bans.peer_ids  # one set: a ban holds from the next round on
             self.matchmaker.distrusted.ban_all(public_key_from_peer_id(b.peer_id) for b in self.bans.items())

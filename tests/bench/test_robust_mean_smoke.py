@@ -12,14 +12,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_robust_mean_bench_writes_a_row_per_aggregate_and_liar(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "robust_mean.py"), "--steps", "8", "-H", "4",
-                           "--batch-size", "2", "--aggregates", "clip1,trim,cclip2,gate0", "--out", str(out)],
+                           "--batch-size", "2", "--aggregates", "clip1g,clip1,trim,cclip2,gate0", "--out", str(out)],
                           capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["commit"] and doc["machine"]["cpus"]
     runs = doc["runs"]
     assert [(r["aggregate"], r["liar"]) for r in runs] == [
-        (a, liar) for a in ("clip1", "trim", "cclip2", "gate0") for liar in ("honest", "constant", "negated", "alie", "aimed")]
+        (a, liar) for a in ("clip1g", "clip1", "trim", "cclip2", "gate0") for liar in ("honest", "constant", "negated", "alie", "aimed")]
     assert all(0 < r["heldout_loss"] < 10 for r in runs), runs
     assert all(r["vs_honest"] == 0 for r in runs if r["liar"] == "honest")
 

@@ -50,12 +50,12 @@ def _push(g: Group, sender: int, part: int, values: torch.Tensor, step: int) -> 
 
 
 def reduce_and_audit(vectors: list[torch.Tensor], codec: str, weights: tuple[float, ...], clip: float,
-                     step: int, lie=None) -> tuple[list[bytes], list[bytes], Round]:
+                     step: int, lie=None, gate: bool = False) -> tuple[list[bytes], list[bytes], Round]:
     """Member 0 reduces part 0 of a group of len(vectors), as peer.allreduce does it, and shows
     its inputs to an auditor. ``lie`` changes the mean it signs. -> (mean frames, inputs, round)."""
     n, numel = len(vectors), vectors[0].numel()
     g = _group(n, numel, codec, weights)
-    rnd = Round(g, 0, vectors[0], get_codec(codec), clip, chunk=step)
+    rnd = Round(g, 0, vectors[0], get_codec(codec), clip, chunk=step, gate=gate)
     for i in range(1, n):
         for f in _push(g, i, 0, vectors[i], step):
             rnd.accept(peer_id_from_public_key(KEYS[i].public_key), verify(f), len(f), f)

@@ -55,15 +55,15 @@ def group(seed: int, k: int, rho: float, spread: float):
     return vecs, weights
 
 
-def reduce_part(vecs, weights, j: int, codec, clip: float):
+def reduce_part(vecs, weights, j: int, codec, clip: float, gate: bool = False):
     """Part j as its reducer j computes it: -> (payload, decoded mean, the members' slices as
     the reducer averaged them (its own raw))."""
     total = float(sum(weights))
-    payload, slices, _ = simulation.reduce_part(vecs, [w / total for w in weights], j, codec, clip)
+    payload, slices, _ = simulation.reduce_part(vecs, [w / total for w in weights], j, codec, clip, gate)
     return payload, codec.decode(payload, slices[j].numel()), slices
 
 
-def screen(mean, payload, pushes, weights, j: int, codec, clip: float, said=None, lies=None) -> bool:
+def screen(mean, payload, pushes, weights, j: int, codec, clip: float, said=None, lies=None, gate: bool = False) -> bool:
     """What every member decides from the reports (``Round.inconsistent``): members in ``said``
     (all, by default) reported their dot; ``lies``: member -> the (weight, norm, dot) it
     reported instead of the truth."""
@@ -73,7 +73,7 @@ def screen(mean, payload, pushes, weights, j: int, codec, clip: float, said=None
                for i in others}
     reports.update(lies or {})
     return screen_mean(slice_norm(mean), codec.error_bound(payload, mean.numel()), clip, weights[j],
-                       [reports[i] for i in others])
+                       [reports[i] for i in others], gate=gate)
 
 
 @given(st.integers(0, 10_000), st.integers(2, 6), st.sampled_from([-0.1, 0.0, 0.3, 0.9]),
@@ -157,7 +157,8 @@ def test_the_lower_median_of_a_part_when_some_norms_may_be_anything():
             assert low == min(meds) and (high == max(meds) or (high == math.inf and max(meds) == 1e9))
 
 
-def witnessed_screen(mean, payload, slices, weights, j: int, codec, clip: float, lies=None, witnesses=2) -> bool:
+def witnessed_screen(mean, payload, slices, weights, j: int, codec, clip: float, lies=None, witnesses=2,
+                     gate: bool = False) -> bool:
     """What every member decides with part j's witnesses' vouches (``Round.inconsistent``): the
     reducer's own slice (as it averaged it: ``slices[j]``) vouched for by members ``j + 1`` and
     ``j + 2`` (``witnesses`` of them); ``lies``: member -> (its own entry, its vouch or None)
@@ -176,7 +177,7 @@ def witnessed_screen(mean, payload, slices, weights, j: int, codec, clip: float,
                 vouches[i] = vouch
     return screen_mean(slice_norm(mean), codec.error_bound(payload, mean.numel()), clip, weights[j],
                        [entries[i] for i in others], reporters=others,
-                       vouched=[(w, n, d) for w, (n, d) in sorted(vouches.items())])
+                       vouched=[(w, n, d) for w, (n, d) in sorted(vouches.items())], gate=gate)
 
 
 @given(st.integers(0, 10_000), st.integers(3, 6), st.sampled_from([0.0, 0.5, 0.9]), st.sampled_from(CODEC_NAMES),

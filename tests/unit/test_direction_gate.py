@@ -1,0 +1,157 @@
+"""The direction gate (``protocol.butterfly.robust_factors``, a run's ``sync.gate``): after the
+clip, a slice that points against the sum of the others' terms counts for nothing. Its rule is
+one that every check of a reducer recomputes, so each is held to it: the reducer, the
+simulation, the audit (which must accept either decision for a slice on the gate's line, and
+convict a reducer that gated an honest slice or let a gated one through), the screen (which
+must let an honest gated mean pass), and the manifest (a run made before the gate keeps its
+rules)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from peer import simulation
+from protocol.audit import OK, WRONG, check
+from protocol.butterfly import GATE_MARGIN, gate_view, robust_factors, slice_bounds, slice_norm
+from protocol.codecs import get_codec
+from protocol.config import CODEC_NAMES, SyncConfig, TrainConfig, to_dict
+from protocol.identity import Identity
+from protocol.manifest import RunManifest, SwarmConfig, open_manifest, sign_manifest
+from protocol.messages import decode, encode
+from tests.unit.test_audit import RUN, reduce_and_audit
+from tests.unit.test_mean_screen import group, reduce_part, screen, witnessed_screen
+
+N = 640
+
+
+def _factors(vecs: list[torch.Tensor], clip: float = 1.0, gate: bool = True) -> tuple[list[float], frozenset[int]]:
+    shares = [1.0 / len(vecs)] * len(vecs)
+    return robust_factors([slice_norm(v) for v in vecs], shares, clip, gate, vecs.__getitem__)
+
+
+def test_a_slice_against_the_others_counts_for_nothing_and_the_others_as_before():
+    vecs, _ = group(1, 4, 0.3, 1.1)
+    vecs[3] = -2.0 * vecs[3]  # a liar pushing its own pseudo-gradient backwards, twice
+    factors, gated = _factors(vecs)
+    assert gated == {3} and factors[3] == 0.0
+    plain, none = _factors(vecs, gate=False)
+    assert none == frozenset() and factors[:3] == plain[:3]  # the honest terms keep their share and scale
+
+
+def test_honest_slices_that_agree_some_are_never_gated():
+    for seed in range(20):
+        vecs, _ = group(seed, 6, 0.2, 1.5)
+        assert _factors(vecs)[1] == frozenset()
+
+
+def test_the_gate_does_nothing_in_pairs_without_a_clip_or_when_it_would_take_every_slice():
+    a = torch.randn(N, generator=torch.Generator().manual_seed(0))
+    assert _factors([a, -a])[1] == frozenset()  # a pair that disagrees: each against the other
+    vecs = [a, -a, -a]
+    assert _factors(vecs, clip=0.0)[1] == frozenset()  # the plain mean stays plain
+    # three slices each pointing against the sum of the other two: none left to count, so all count
+    e = torch.eye(3, dtype=torch.float32)
+    rim = [e[0] - 0.6 * (e[1] + e[2]), e[1] - 0.6 * (e[0] + e[2]), e[2] - 0.6 * (e[0] + e[1])]
+    view = gate_view([1 / 3] * 3, [slice_norm(x) for x in rim], rim.__getitem__)
+    assert all(view.along[i] < -view.room[i] for i in range(3))
+    assert view.gated() == frozenset()
+
+
+def test_a_slice_on_the_gates_line_may_go_either_way_for_an_audit():
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    rest = a + b
+    c = torch.randn(N, generator=g).double()
+    c = (c - c.dot(rest.double()) / rest.double().dot(rest.double()) * rest.double()).float()  # orthogonal to a + b
+    view = gate_view([1 / 3] * 3, [slice_norm(x) for x in (a, b, c)], [a, b, c].__getitem__)
+    assert abs(view.along[2]) <= view.room[2] and view.room[2] < 1e-5 * slice_norm(c) * slice_norm(rest)
+    assert set(view.possible()) == {frozenset(), frozenset({2})}
+    assert GATE_MARGIN < 1e-5
+
+
+@given(st.integers(0, 10_000), st.integers(3, 6), st.sampled_from([-1.0, 0.0, 0.3, 0.9]),
+       st.sampled_from(CODEC_NAMES), st.sampled_from([1.0, 2.0]))
+@settings(max_examples=150, deadline=None)
+def test_the_node_and_the_simulation_reduce_alike_and_no_honest_gated_mean_is_refused(seed, k, rho, codec_name, clip):
+    """The simulation's arithmetic is the reducer's (``reduce_part``), and every member's screen
+    under the gate lets its honest means pass, with a member pushing against the others
+    (``rho`` -1) or without."""
+    vecs, weights = group(seed, k, max(rho, 0.0), 1.5)
+    if rho < 0:
+        vecs[-1] = -2.0 * vecs[-1]
+    codec = get_codec(codec_name)
+    sim, _ = simulation.allreduce(vecs, weights, codec, clip, gate=True)
+    for j, (s, e) in enumerate(slice_bounds(N, k)):
+        payload, mean, pushes = reduce_part(vecs, weights, j, codec, clip, gate=True)
+        assert torch.equal(mean, sim[s:e])
+        assert screen(mean, payload, pushes, weights, j, codec, clip, gate=True)
+        if k > 2:
+            assert witnessed_screen(mean, payload, pushes, weights, j, codec, clip, gate=True)
+
+
+def test_the_screen_under_the_gate_still_refuses_a_negated_or_inflated_mean():
+    refused = 0
+    for seed in range(10):
+        vecs, _ = group(seed, 6, 0.7, 1.1)
+        weights = [1.0] * 6
+        codec = get_codec("fp4")
+        for j, (s, e) in enumerate(slice_bounds(N, 6)):
+            _, mean, pushes = reduce_part(vecs, weights, j, codec, 1.0, gate=True)
+            for lie in (-1.0, 3.0):
+                payload = codec.encode(mean * lie)
+                told = codec.decode(payload, e - s)
+                refused += not witnessed_screen(told, payload, pushes, weights, j, codec, 1.0, gate=True)
+    assert refused == 10 * 6 * 2
+
+
+def _gating_round(lie=None, gate=True):
+    vecs = [v.repeat(4) for v in group(7, 4, 0.5, 1.1)[0]]  # 4 x 640 elements per part
+    vecs[2] = -2.0 * vecs[2]  # member 2 pushes against the others: gated by an honest reducer
+    return reduce_and_audit(vecs, "fp4", (1.0, 2.0, 1.5, 1.0), 1.0, 256, lie, gate=gate), vecs
+
+
+def test_an_honest_gating_reducer_passes_its_audit_and_is_proven_wrong_only_by_other_rules():
+    (means, shown, rnd), _ = _gating_round()
+    assert rnd.gated == [2]
+    assert check(means, shown, RUN, 1.0, gate=True)[0] == OK
+    # an auditor that does not gate (another version of the rules) would convict it: hence the
+    # manifest field, so that every member of a run audits by the run's rules
+    assert check(means, shown, RUN, 1.0, gate=False)[0] == WRONG
+
+
+def test_a_reducer_that_lets_a_gated_slice_through_or_gates_an_honest_one_is_proven_wrong():
+    (means, shown, rnd), vecs = _gating_round(gate=False)  # it did not gate member 2
+    assert rnd.gated == []
+    verdict, _, why = check(means, shown, RUN, 1.0, gate=True)
+    assert verdict == WRONG, why
+    s, e = rnd.bounds[0]
+    codec = get_codec("fp4")
+
+    def gate_member_1_too(mean, vectors):  # an honest slice (member 1, weight 2) left out as well
+        own = codec.decode(codec.encode(vectors[1][s:e]), e - s)
+        return mean - 2.0 / 5.5 * own
+
+    (means, shown, _), _ = _gating_round(gate_member_1_too)
+    verdict, _, why = check(means, shown, RUN, 1.0, gate=True)
+    assert verdict == WRONG, why
+
+
+def test_a_manifest_made_before_the_gate_keeps_its_rules_and_a_new_one_gates():
+    ident = Identity.from_seed(b"\x11" * 32)
+    new = RunManifest(name="r", description="", train=TrainConfig(), swarm=SwarmConfig(),
+                      creator=ident.public_key, created_at=1.0)
+    assert new.train.sync.gate is True
+    assert open_manifest(sign_manifest(new, ident)).manifest.train.sync.gate is True
+    assert decode(encode(dataclasses.replace(new, train=TrainConfig(sync=SyncConfig(gate=False))))).train.sync.gate \
+        is False
+    # the train map as a version before the gate wrote it (no such key), read by the manifest's own rule
+    rule = typing.get_type_hints(RunManifest, include_extras=True)["train"].__metadata__[0]
+    before = to_dict(new.train)
+    del before["sync"]["gate"]
+    assert rule.check(before, "train").sync.gate is False
+    assert "gate" not in before["sync"]  # the map given is left alone
+    assert TrainConfig().sync.gate is True  # a config file without the key: the default of new runs
