@@ -30,6 +30,7 @@ in its groups and the groups' order.
     python bench/liar.py --lies lie:push1e30+short+replay+equivocate --busy 2
     python bench/liar.py --follow --pairs 3      # the run's default pacing: honest peers may skip steps
     python bench/liar.py --lies lie:aim --clip 2  # a constant direction within the clip of 2
+    python bench/liar.py --lies lie:pushneg --pairs 3 --no-gate   # its pseudo-gradient x -2, the clip alone
     python bench/liar.py --lies lie:ghost --pairs 1 --rounds 8 --allreduce-timeout 20   # a key that joins and
                                                   # sends nothing: what it costs in time (wall x)
 """
@@ -67,7 +68,7 @@ def t95(df: int) -> float:
 
 
 def setup(root: Path, allreduce_timeout_s: float, follow: bool = False, clip: float | None = None,
-          pair: int = 0) -> Path:
+          pair: int = 0, gate: bool = True) -> Path:
     """A run's manifest and the keys of its peers 0..3, shared by the two runs of a pair. Each
     pair gets keys of its own (``pair``): a peer's key picks its sample order
     (``peer.data.worker_seed``) and the groups' order, and the runs of one manifest and keys
@@ -75,7 +76,7 @@ def setup(root: Path, allreduce_timeout_s: float, follow: bool = False, clip: fl
     (before, each pair got only a manifest of its own, whose run ID seeds nothing: two pairs'
     attacked runs came out equal to the last digit). ``follow``: the run's defaults
     (``sync.follow``, a late share of 0.1) instead of lockstep. ``clip``: the run's
-    ``sync.clip`` (default: the default)."""
+    ``sync.clip`` (default: the default). ``gate``: the run's ``sync.gate``."""
     from peer.demo import demo_manifest
     from protocol.identity import Identity
 
@@ -89,6 +90,8 @@ def setup(root: Path, allreduce_timeout_s: float, follow: bool = False, clip: fl
     pace = {} if follow else {"late_share": 0.0, "follow": False}
     if clip is not None:
         pace["clip"] = clip
+    if not gate:
+        pace["gate"] = False
     manifest = demo_manifest(4, out / "peer0.key", swarm={"allreduce_timeout_s": allreduce_timeout_s}, **pace)
     (out / "demo.swarmrun").write_bytes(manifest)
     return out
@@ -156,6 +159,8 @@ def main() -> int:
                     help="the run's default pacing (sync.follow, late share 0.1) instead of lockstep: peers "
                          "behind the others skip steps, so the two runs of a pair train different tokens")
     ap.add_argument("--clip", type=float, help="the run's sync.clip (default: the default, 1)")
+    ap.add_argument("--no-gate", dest="gate", action="store_false",
+                    help="the run without the direction gate (sync.gate false: the clip alone)")
     ap.add_argument("--keep", action="store_true", help="keep the runs' directories (peer logs)")
     ap.add_argument("--out", help="JSON path (default bench/results/liar.json)")
     args = ap.parse_args()
@@ -171,7 +176,7 @@ def main() -> int:
     rows = []
     try:
         for k in range(args.pairs):
-            setup_dir = setup(root / f"setup{k}", args.allreduce_timeout, args.follow, args.clip, pair=k)
+            setup_dir = setup(root / f"setup{k}", args.allreduce_timeout, args.follow, args.clip, pair=k, gate=args.gate)
             order = ("baseline", "attacked") if k % 2 == 0 else ("attacked", "baseline")
             runs = {}
             for side in order:
@@ -204,7 +209,7 @@ def main() -> int:
     print(f"\nmean difference {mean:+.2f}% (95% CI {mean - half:+.2f}% .. {mean + half:+.2f}%), "
           f"range {min(diffs):+.2f}% .. {max(diffs):+.2f}%, over {len(diffs)} pairs")
     out = write_json(args.out, "liar", {
-        "lies": args.lies, "clip": args.clip, "rounds": args.rounds, "pacing": "follow" if args.follow else "lockstep",
+        "lies": args.lies, "clip": args.clip, "gate": args.gate, "rounds": args.rounds, "pacing": "follow" if args.follow else "lockstep",
         "pairs": args.pairs, "busy_loops": args.busy,
         "allreduce_timeout_s": args.allreduce_timeout, "rows": rows,
         "mean_diff_pct": mean, "ci95_pct": [mean - half, mean + half] if math.isfinite(half) else None,

@@ -25,6 +25,7 @@ reducer cannot send its two witnesses different slices without proving its lie, 
 mean commits to the one it averages (``SliceAveraged.own``).
 
     python bench/witness.py                  # groups of 3-6, rho 0.3 and 0.73, 12 seeds (~3 min)
+    python bench/witness.py --clip 1 --gate  # the defaults of a new run: what the gate's room costs the screen
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ def group(seed: int, k: int, rho: float, spread: float = 1.1) -> list[torch.Tens
             * float(1 + (spread - 1) * torch.rand(1, generator=g)) for _ in range(k)]
 
 
-def refusals(k: int, rho: float, seeds: int, witnesses: int, codec_name: str = "fp4", clip: float = 2.0) -> dict:
+def refusals(k: int, rho: float, seeds: int, witnesses: int, codec_name: str = "fp4", clip: float = 2.0,
+             gate: bool = False) -> dict:
     """Per kind of mean: [refused, screened] over every part of ``seeds`` groups, as every
     member screens it (``screen_mean``) with the reducer's own slice vouched for by
-    ``witnesses`` members (the first ones after it; 0: as the swarm did before witnesses)."""
+    ``witnesses`` members (the first ones after it; 0: as the swarm did before witnesses);
+    ``gate``: the reducer gates and the screen allows for it (``sync.gate``)."""
     codec = get_codec(codec_name)
     out = {kind: [0, 0] for kind in KINDS}
     for seed in range(seeds):
@@ -68,7 +71,7 @@ def refusals(k: int, rho: float, seeds: int, witnesses: int, codec_name: str = "
         bounds = slice_bounds(N, k)
         for j, (s, e) in enumerate(bounds):
             # the reducer averages its own slice as encoded, as its witnesses get it
-            payload, slices, _ = simulation.reduce_part(vecs, [1.0 / k] * k, j, codec, clip)
+            payload, slices, _ = simulation.reduce_part(vecs, [1.0 / k] * k, j, codec, clip, gate)
             mean = codec.decode(payload, e - s)
             s2, e2 = bounds[(j + 1) % k]
             other = torch.stack([v[s2:e2] for v in vecs]).mean(0)
@@ -86,7 +89,7 @@ def refusals(k: int, rho: float, seeds: int, witnesses: int, codec_name: str = "
                 ok = screen_mean(slice_norm(m), codec.error_bound(data, e - s), clip, 1.0,
                                  [(1.0, norms[i], said[i] if i == liar else dots[i]) for i in others],
                                  reporters=others,
-                                 vouched=[(w, norms[j], said[j] if w == liar else dots[j]) for w in wits])
+                                 vouched=[(w, norms[j], said[j] if w == liar else dots[j]) for w in wits], gate=gate)
                 out[kind][0] += not ok
                 out[kind][1] += 1
     return out
@@ -97,6 +100,8 @@ def main() -> int:
     ap.add_argument("--sizes", default="3,4,5,6", help="group sizes (default 3,4,5,6)")
     ap.add_argument("--rho", default="0.3,0.73", help="pairwise correlations (default 0.3,0.73: a real run's median)")
     ap.add_argument("--seeds", type=int, default=12, help="groups per cell (default 12)")
+    ap.add_argument("--clip", type=float, default=2.0, help="the run's sync.clip (default 2, as first measured)")
+    ap.add_argument("--gate", action="store_true", help="with the direction gate (sync.gate, on in new runs)")
     ap.add_argument("--out", help="JSON path (default bench/results/witness.json)")
     args = ap.parse_args()
     try:
@@ -106,18 +111,22 @@ def main() -> int:
         ap.error("--sizes takes integers and --rho numbers, comma-separated, such as --sizes 4,5 --rho 0.73")
     if any(k < 2 for k in sizes) or any(not 0 <= r < 1 for r in rhos) or args.seeds < 1:
         ap.error("--sizes must be >= 2, --rho in [0, 1), --seeds >= 1")
+    if not 1.0 <= args.clip <= 1e6:
+        ap.error(f"--clip must be in [1, 1e6] (the screen needs a clip), got {args.clip}")
     rows = []
     for k in sizes:
         for rho in rhos:
             for witnesses in (0, 1, 2):
-                r = refusals(k, rho, args.seeds, witnesses)
+                r = refusals(k, rho, args.seeds, witnesses, clip=args.clip, gate=args.gate)
                 rows.append({"k": k, "rho": rho, "witnesses": witnesses,
                              **{kind: f"{r[kind][0]}/{r[kind][1]}" for kind in KINDS}})
                 print(f"group of {k}, rho {rho}, {witnesses} witness(es): done", flush=True)
-    print("\nmeans refused by the screen (fp4, clip 2, equal weights), today (0 witnesses) and with 1 or 2")
+    print(f"\nmeans refused by the screen (fp4, clip {args.clip:g}, gate {'on' if args.gate else 'off'}, equal weights), "
+          "with 0, 1 or 2 witnesses")
     print_table(rows, [("k", "k", "d"), ("rho", "rho", ".2f"), ("witnesses", "witnesses", "d")]
                 + [(kind, kind, "s") for kind in KINDS])
-    out = write_json(args.out, "witness", {"codec": "fp4", "clip": 2.0, "seeds": args.seeds, "rows": rows})
+    out = write_json(args.out, "witness", {"codec": "fp4", "clip": args.clip, "gate": args.gate, "seeds": args.seeds,
+                                           "rows": rows})
     print(f"wrote {out}")
     return 0
 

@@ -53,7 +53,7 @@ import msgpack
 import torch
 
 from protocol.audit import contribution_digest, inputs_digest
-from protocol.butterfly import (chunk_elements, lower_median, robust_factors, slice_bounds, slice_norm, witnessed,
+from protocol.butterfly import (chunk_elements, clip_scales, lower_median, robust_factors, slice_bounds, slice_norm, witnessed,
                                 witnesses_of)
 from protocol.codecs import Codec
 from protocol.identity import peer_id_from_public_key
@@ -388,15 +388,15 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         total_w = float(sum(self.group.weights[i] for i in contrib))
         own = self.own_chunks
         norms = [slice_norm(self._decoded(i, own if i == me else None)) for i in contrib]
-        scales, gated = robust_factors(norms, [self.group.weights[i] / total_w for i in contrib], self.clip,
-                                       self.gate, lambda k: self._decoded(contrib[k], own if contrib[k] == me else None))
+        factors, gated = robust_factors(norms, [self.group.weights[i] / total_w for i in contrib], self.clip,
+                                        self.gate, lambda k: self._decoded(contrib[k], own if contrib[k] == me else None))
         median = lower_median(norms)
         acc = torch.zeros(e - s, dtype=torch.float32)
-        for k, (i, norm, scale) in enumerate(zip(contrib, norms, scales)):
+        for k, (i, norm, scale, factor) in enumerate(zip(contrib, norms, clip_scales(norms, self.clip), factors)):
             if k in gated:
                 self.gated.append(i)
-                log.info("gated slice (it points against the others' sum: counts for nothing) peer=%s group=%s",
-                         self.peer_ids[i], self.group.group_id.hex())
+                log.warning("gated slice (it points against the others' sum: counts for nothing) peer=%s group=%s",
+                            self.peer_ids[i], self.group.group_id.hex())
             elif scale < 1.0:
                 self.clipped.append(i)
                 # at clip 1 half of an honest group is brought down a few percent every round:
@@ -405,7 +405,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
                         "clipped slice norm=%.3g bound=%.3g peer=%s group=%s%s", norm, scale * norm,
                         self.peer_ids[i], self.group.group_id.hex(),
                         "" if scale else ": far beyond the group's norms, it counts for nothing")
-            w = self.group.weights[i] / total_w * scale
+            w = self.group.weights[i] / total_w * factor
             for off, cnt, payload in sorted(own if i == me else self.pushes.get(i, ()), key=lambda c: c[0]):
                 self.codec.decode_add_(acc[off - s:off - s + cnt], payload, w)
         self.pushes.clear()  # the payloads are no longer needed

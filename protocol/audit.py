@@ -46,7 +46,7 @@ from typing import Any
 import msgpack
 import torch
 
-from protocol.butterfly import GATE_CHOICES, clip_scales, gate_view, slice_norm
+from protocol.butterfly import GATE_CHOICES, clip_scales, gate_view, gated_factors, slice_norm
 from protocol.codecs import get_codec
 from protocol.envelope import Verified, verify
 from protocol.errors import ProtocolError, RemoteProtocolError
@@ -151,15 +151,15 @@ def _check(means: list[Verified], input_frames: Sequence[bytes], run_id: bytes,
     shares = [weights[k] / total for k in keys]
     choices: Iterable[frozenset[int]] | None = [frozenset()]
     if gate and clip and len(keys) >= 3:  # as protocol.butterfly.robust_factors
-        choices = gate_view([w * s for w, s in zip(shares, scales)], norms, values.__getitem__).possible()
+        choices = gate_view([w * s for w, s in zip(shares, scales)], norms, shares, values.__getitem__).possible()
         if choices is None:  # more contributions on the gate's line than an audit can try: nothing to say
             return OK, reducer, f"over {GATE_CHOICES} contributions within the direction gate's margin"
     best = math.inf
     for gated in choices:  # each gate decision an honest reducer may have taken
         acc = torch.zeros(end - start, dtype=torch.float32)
         scale_sum = 0.0
-        for i, (x, norm, scale) in enumerate(zip(values, norms, scales)):
-            w = 0.0 if i in gated else shares[i] * scale
+        for i, (x, norm, factor) in enumerate(zip(values, norms, gated_factors(scales, shares, gated))):
+            w = shares[i] * factor
             acc.add_(x, alpha=w)
             scale_sum += w * norm
         off = _beyond_rounding(codec, mean_chunks, start, acc)

@@ -41,6 +41,12 @@ def make_vector(seed: int, numel: int = NUMEL) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
 
 
+def shared_vector(seed: int, common: int, factor: float, numel: int = NUMEL) -> torch.Tensor:
+    """A member's vector that agrees some with the others' (a component of seed ``common``
+    shared by all, as pseudo-gradients of one round agree), times ``factor``."""
+    return (make_vector(seed, numel) + make_vector(common, numel)) * factor
+
+
 # ---------------------------------------------------------------------------------------
 # The peer process.
 
@@ -87,6 +93,9 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
                 out_q.put(("banned",))
             elif cmd == "convicted":  # wait (up to args[0] s) for proof handed to us, as the node would take it
                 out_q.put(("convicted", net.call(_convicted(av, args[0]), args[0] + 5)))
+            elif cmd == "gate":  # the run's sync.gate, as a node's manifest sets it
+                av.direction_gate = av.audits.gate = args[0]
+                out_q.put(("gated",))
             elif cmd == "cap":  # the volunteer's bandwidth caps, bytes per second
                 av.upload.set_rate(args[0])
                 av.download.set_rate(args[1])
@@ -98,6 +107,9 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
                 me = group.members.index(ident.public_key)
                 if behaviour.startswith("scale:"):  # a liar: valid frames, values scaled
                     vec, behaviour = vec * float(behaviour[6:]), "honest"
+                if behaviour.startswith("shared:"):  # with a component shared by the group (seed C), times F
+                    _, common, factor = behaviour.split(":")
+                    vec, behaviour = shared_vector(seed, int(common), float(factor), group.numel), "honest"
                 if behaviour.startswith("start:"):  # honest, but busy (starved) for that long before its round
                     time.sleep(float(behaviour[6:]))
                     behaviour = "honest"
@@ -107,7 +119,7 @@ def peer_main(key_path: str, initial_peers: list[str], max_frame_bytes: int, cmd
                     out_q.put(("done", out.average.numpy().tobytes(), out.dropped, out.fallback_parts,
                                out.bytes_sent, out.elapsed_s, list(logs.lines),
                                {"repaired": out.repaired_parts, "agreed": out.agreed, "partial": out.partial_parts,
-                                "clipped": out.clipped, "offences": [(k, why) for k, why, _ in out.offences],
+                                "clipped": out.clipped, "gated": out.gated, "offences": [(k, why) for k, why, _ in out.offences],
                                 "followed": out.followed}))
                 else:
                     net.call(send_bad_slices(av, group, vec, me), 30)
@@ -376,6 +388,31 @@ def test_four_peers_get_the_bit_identical_weighted_mean_in_fp32_and_fp4(swarm):
             assert torch.equal(got, ref)  # and the same bytes as the in-process reference
             assert float((got.double() - exact_mean).abs().max()) < tol * float(exact_mean.abs().max())
             assert sent >= ref_sent[0] * 0.9  # the encoded slices, plus envelopes
+
+
+@TIMED
+def test_under_the_direction_gate_a_push_against_the_others_counts_for_nothing_at_every_reducer(swarm):
+    """Member 3 pushes its vector x -2 (validly signed, within what the clip brings down to an
+    honest norm). Under the direction gate (a run's ``sync.gate``) every reducer, the liar's
+    own part too, leaves it out of its mean: each member lands the same bytes, those of the
+    simulation under the gate, and not those of the clip alone."""
+    peers = swarm(4)
+    for p in peers:
+        p.cmd.put(("gate", True))
+        assert p.reply()[0] == "gated"
+    weights = [1.0, 2.0, 1.5, 1.0]
+    fields = group_fields(peers, weights, "fp4", group_id=b"gate".ljust(16, b"\0"))
+    for i, p in enumerate(peers):
+        p.cmd.put(("allreduce", fields, 700 + i, "shared:777:-2" if i == 3 else "shared:777:1"))
+    replies = [p.reply() for p in peers]
+    vectors = [shared_vector(700 + i, 777, -2.0 if i == 3 else 1.0) for i in range(4)]
+    gated, _ = simulated_allreduce(vectors, weights, get_codec("fp4"), CLIP, gate=True)
+    clipped, _ = simulated_allreduce(vectors, weights, get_codec("fp4"), CLIP)
+    for kind, avg, dropped, fallback, _, _, _, extra in replies:
+        assert kind == "done" and dropped == () and fallback == ()
+        assert avg == replies[0][1]  # bit-identical on every member
+        assert torch.equal(as_tensor(avg), gated) and not torch.equal(as_tensor(avg), clipped)
+        assert extra["gated"] == (3,) and extra["agreed"]  # every reducer took out the liar's push, and it alone
 
 
 @TIMED

@@ -96,13 +96,18 @@ def test_an_honest_reducers_mean_follows_from_its_inputs(codec, clip):
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(2, 5), per=st.integers(1, 700), codec=st.sampled_from(["fp32", "fp16", "bf16", "int8", "fp4"]),
        clip=st.sampled_from([0.0, 1.0, 2.0, 5.0]), spread=st.floats(1e-3, 1e3), seed=st.integers(0, 2**16),
-       step=st.sampled_from([256, 512]))
-@example(n=2, per=378, codec="fp4", clip=0.0, spread=1.84375, seed=378, step=256)  # one block's scale a step
-# apart from the re-encoded recomputed mean's: an honest reducer convicted (protocol/audit.py)
-def test_honest_means_always_pass(n, per, codec, clip, spread, seed, step):
+       step=st.sampled_from([256, 512]), gate=st.booleans(), against=st.booleans())
+@example(n=2, per=378, codec="fp4", clip=0.0, spread=1.84375, seed=378, step=256, gate=False, against=False)
+# (one block's scale a step apart from the re-encoded recomputed mean's: an honest reducer convicted)
+def test_honest_means_always_pass(n, per, codec, clip, spread, seed, step, gate, against):
+    """Over codecs, clips, sizes and weights, with the direction gate (``gate``) too, and with
+    the last member pushing against the others (``against``: gated where the gate acts)."""
     weights = tuple(float(1 + (seed + i) % 7) for i in range(n))
-    means, shown, _ = reduce_and_audit(_vectors(n, n * per, seed, spread), codec, weights, clip, step)
-    assert check(means, shown, RUN, clip)[0] == OK
+    vectors = _vectors(n, n * per, seed, spread)
+    if against:
+        vectors[-1] = -2.0 * sum(vectors[:-1])
+    means, shown, _ = reduce_and_audit(vectors, codec, weights, clip, step, gate=gate)
+    assert check(means, shown, RUN, clip, gate)[0] == OK
 
 
 def _negate(mean, _vectors):

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+import pytest
+
 import torch
 from hypothesis import given, settings, strategies as st
 
 from peer import simulation
 from protocol.audit import OK, WRONG, check
-from protocol.butterfly import GATE_MARGIN, gate_view, robust_factors, slice_bounds, slice_norm
+from protocol.butterfly import GATE_MARGIN, GATE_SLACK, GateView, gate_view, robust_factors, slice_bounds, slice_norm
 from protocol.codecs import get_codec
 from protocol.config import CODEC_NAMES, SyncConfig, TrainConfig, to_dict
 from protocol.identity import Identity
@@ -33,13 +35,24 @@ def _factors(vecs: list[torch.Tensor], clip: float = 1.0, gate: bool = True) -> 
     return robust_factors([slice_norm(v) for v in vecs], shares, clip, gate, vecs.__getitem__)
 
 
-def test_a_slice_against_the_others_counts_for_nothing_and_the_others_as_before():
+def test_a_slice_against_the_others_counts_for_nothing_and_the_mean_is_over_the_others():
     vecs, _ = group(1, 4, 0.3, 1.1)
     vecs[3] = -2.0 * vecs[3]  # a liar pushing its own pseudo-gradient backwards, twice
     factors, gated = _factors(vecs)
     assert gated == {3} and factors[3] == 0.0
     plain, none = _factors(vecs, gate=False)
-    assert none == frozenset() and factors[:3] == plain[:3]  # the honest terms keep their share and scale
+    assert none == frozenset()
+    # the honest terms keep their clip scale, over the weight kept: 3 of 4 equal shares
+    assert factors[:3] == pytest.approx([p * 4 / 3 for p in plain[:3]], rel=1e-12)
+
+
+def test_the_gate_takes_out_at_most_a_third_of_the_weight():
+    vecs, _ = group(2, 4, 0.3, 1.1)
+    vecs[3] = -2.0 * vecs[3]
+    heavy = [0.2, 0.2, 0.2, 0.4]  # the one pointing against the others weighs more than a third
+    assert robust_factors([slice_norm(v) for v in vecs], heavy, 1.0, True, vecs.__getitem__)[1] == frozenset()
+    even = [0.25, 0.25, 0.25, 0.25]
+    assert robust_factors([slice_norm(v) for v in vecs], even, 1.0, True, vecs.__getitem__)[1] == {3}
 
 
 def test_honest_slices_that_agree_some_are_never_gated():
@@ -56,7 +69,7 @@ def test_the_gate_does_nothing_in_pairs_without_a_clip_or_when_it_would_take_eve
     # three slices each pointing against the sum of the other two: none left to count, so all count
     e = torch.eye(3, dtype=torch.float32)
     rim = [e[0] - 0.6 * (e[1] + e[2]), e[1] - 0.6 * (e[0] + e[2]), e[2] - 0.6 * (e[0] + e[1])]
-    view = gate_view([1 / 3] * 3, [slice_norm(x) for x in rim], rim.__getitem__)
+    view = gate_view([1 / 3] * 3, [slice_norm(x) for x in rim], [1 / 3] * 3, rim.__getitem__)
     assert all(view.along[i] < -view.room[i] for i in range(3))
     assert view.gated() == frozenset()
 
@@ -67,10 +80,20 @@ def test_a_slice_on_the_gates_line_may_go_either_way_for_an_audit():
     rest = a + b
     c = torch.randn(N, generator=g).double()
     c = (c - c.dot(rest.double()) / rest.double().dot(rest.double()) * rest.double()).float()  # orthogonal to a + b
-    view = gate_view([1 / 3] * 3, [slice_norm(x) for x in (a, b, c)], [a, b, c].__getitem__)
+    view = gate_view([1 / 3] * 3, [slice_norm(x) for x in (a, b, c)], [1 / 3] * 3, [a, b, c].__getitem__)
     assert abs(view.along[2]) <= view.room[2] and view.room[2] < 1e-5 * slice_norm(c) * slice_norm(rest)
     assert set(view.possible()) == {frozenset(), frozenset({2})}
     assert GATE_MARGIN < 1e-5
+
+
+def test_one_of_three_equal_members_may_be_gated_and_a_set_at_the_limit_either_way_for_an_audit():
+    view = GateView(along=(1.0, 1.0, -1.0), room=(1e-9,) * 3, shares=(1 / 3,) * 3, live=frozenset(range(3)))
+    assert view.gated() == {2} and set(view.possible()) == {frozenset({2})}  # a third, give or take a rounding
+    heavier = dataclasses.replace(view, shares=(0.3, 0.3, 0.4))
+    assert heavier.gated() == frozenset() and set(heavier.possible()) == {frozenset()}
+    edge = 1 / 3 + GATE_SLACK  # at the limit: an auditor's sum of the shares may fall on either side of it
+    at_limit = dataclasses.replace(view, shares=((1 - edge) / 2, (1 - edge) / 2, edge))
+    assert set(at_limit.possible()) == {frozenset(), frozenset({2})} and at_limit.gated() in at_limit.possible()
 
 
 @given(st.integers(0, 10_000), st.integers(3, 6), st.sampled_from([-1.0, 0.0, 0.3, 0.9]),
@@ -93,7 +116,7 @@ def test_the_node_and_the_simulation_reduce_alike_and_no_honest_gated_mean_is_re
             assert witnessed_screen(mean, payload, pushes, weights, j, codec, clip, gate=True)
 
 
-def test_the_screen_under_the_gate_still_refuses_a_negated_or_inflated_mean():
+def test_the_screen_under_the_gate_still_refuses_a_negated_mean_or_one_inflated_beyond_its_room():
     refused = 0
     for seed in range(10):
         vecs, _ = group(seed, 6, 0.7, 1.1)
