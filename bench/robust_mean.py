@@ -10,16 +10,16 @@ parts' means are taken by one of:
 
   clipC    the robust mean's clip alone (``protocol.butterfly.clip_scales``) at ``sync.clip`` = C
            (``sync.gate`` false: clip1 is the default of runs made before the gate)
-  clipCg   the shipped robust mean (``protocol.butterfly.robust_factors``): the clip at C, then
-           the direction gate (a term pointing against the others' sum counts for nothing, its
-           weight kept in the total); clip1g is the default
+  clipCg   the shipped robust mean (``protocol.gate.robust_factors``): the clip at C, then
+           the direction gate (the term pointing furthest against the others' sum counts for
+           nothing, then the next, up to a third of the weight; the mean over the weight
+           kept); clip1g is the default
   trim     a coordinate-wise trimmed mean: each element's largest and smallest value dropped
            (unweighted: the simulation's workers weigh alike)
   gateT    clip1, then each contribution whose cosine with the others' clipped mean (all but
            it) is below T counts for nothing, over the shares of those kept (all count when
-           that would leave none): the candidate measured before clip1g, which differs in
-           keeping the gated weight in the total (so the screen's and audits' shares stay
-           fixed)
+           that would leave none), all at once and with no weight limit: the candidate
+           measured before clip1g
   cclipC   a simple centred clipping (after Karimireddy et al., 2021): each push's deviation
            from the fragment's last mean, clipped to C x the lower median of the deviations'
            norms, one step, and no worker momentum (which their bound relies on)
@@ -46,7 +46,8 @@ from benchutil import print_table, write_json  # noqa: E402
 
 import peer.simulation as simulation  # noqa: E402
 from peer.data import load_corpus  # noqa: E402
-from protocol.butterfly import clip_scales, robust_factors, slice_bounds  # noqa: E402
+from protocol.butterfly import clip_scales, slice_bounds  # noqa: E402
+from protocol.gate import gram, robust_factors  # noqa: E402
 from protocol.config import ConfigError, DataConfig, InnerConfig, SyncConfig, TrainConfig, model_preset  # noqa: E402
 
 LIARS = ("honest", "constant", "negated", "alie", "aimed")
@@ -74,7 +75,7 @@ def part_mean(parts: list[torch.Tensor], shares: list[float], aggregate: str, ce
     """One part's mean (float64) of the decoded ``parts`` under ``aggregate``."""
     if aggregate.startswith("clip") and aggregate.endswith("g"):
         scales, _ = robust_factors([float(p.norm()) for p in parts], shares, float(aggregate[4:-1]), True,
-                                   parts.__getitem__)
+                                   lambda: gram([parts]))
         return sum(w * s * p for w, s, p in zip(shares, scales, parts))
     if aggregate.startswith("clip"):
         scales = clip_scales([float(p.norm()) for p in parts], float(aggregate[4:]))

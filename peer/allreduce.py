@@ -199,7 +199,7 @@ class AllReduceOutcome:
     started it: we reached the round that much after them (``peer.pace``)."""
     gated: tuple[int, ...] = ()
     """Members whose slice the direction gate took out of our part's mean (it pointed against
-    the others' sum: ``protocol.butterfly.robust_factors``)."""
+    the others' sum: ``protocol.gate.robust_factors``)."""
 
 
 class Averager(InboundMixin, SendMixin, WaitMixin):
@@ -235,7 +235,7 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         self._gate = StreamGate(max_streams_per_peer)
         self.read_timeout_s = read_timeout_s
         self.clip = clip  # the run's sync.clip: robust mean (protocol.butterfly)
-        self.direction_gate = gate  # the run's sync.gate (protocol.butterfly.robust_factors)
+        self.direction_gate = gate  # the run's sync.gate (protocol.gate.robust_factors)
         self.max_weight = max_weight  # the run's most tokens one sync may cover
         self.audits = Audits(self, audit, clip, gate)
         """Our audits of other reducers' means (``peer.audit``; ``audit``: the run's sync.audit)."""

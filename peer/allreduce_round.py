@@ -53,9 +53,10 @@ import msgpack
 import torch
 
 from protocol.audit import contribution_digest, inputs_digest
-from protocol.butterfly import (chunk_elements, clip_scales, lower_median, robust_factors, slice_bounds, slice_norm, witnessed,
+from protocol.butterfly import (chunk_elements, clip_scales, lower_median, slice_bounds, slice_norm, witnessed,
                                 witnesses_of)
 from protocol.codecs import Codec
+from protocol.gate import gram, robust_factors
 from protocol.identity import peer_id_from_public_key
 from protocol.messages import MAX_FRAME_BYTES, digest
 
@@ -378,7 +379,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         """Our slice's weighted mean over the members we have all of, in member order, each
         contribution scaled down to ``clip`` x the lower median norm first, and under the
         direction gate (``gate``) one that points against the others' sum counting for nothing
-        (``protocol.butterfly.robust_factors``), as peer.simulation.allreduce does it.
+        (``protocol.gate.robust_factors``), as peer.simulation.allreduce does it.
         -> (fp32 mean, contributors, their total weight)."""
         me, (s, e) = self.me, self.bounds[self.me]
         if sum(n for _, n, _ in self.own_chunks) != e - s:
@@ -389,7 +390,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
         own = self.own_chunks
         norms = [slice_norm(self._decoded(i, own if i == me else None)) for i in contrib]
         factors, gated = robust_factors(norms, [self.group.weights[i] / total_w for i in contrib], self.clip,
-                                        self.gate, lambda k: self._decoded(contrib[k], own if contrib[k] == me else None))
+                                        self.gate, lambda: self._gram(contrib))
         median = lower_median(norms)
         acc = torch.zeros(e - s, dtype=torch.float32)
         for k, (i, norm, scale, factor) in enumerate(zip(contrib, norms, clip_scales(norms, self.clip), factors)):
@@ -410,6 +411,14 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin):
                 self.codec.decode_add_(acc[off - s:off - s + cnt], payload, w)
         self.pushes.clear()  # the payloads are no longer needed
         return acc, contrib, total_w
+
+    def _gram(self, contrib: tuple[int, ...]) -> torch.Tensor:
+        """The Gram matrix of the contributions' slices as decoded (``protocol.gate.gram``),
+        chunk by chunk: every slice is cut on one grid, so each is decoded once."""
+        chunks = [sorted(self.own_chunks if i == self.me else self.pushes[i], key=lambda c: c[0]) for i in contrib]
+        if any([(o, n) for o, n, _ in c] != [(o, n) for o, n, _ in chunks[0]] for c in chunks):
+            return gram([[self._decoded(i, self.own_chunks if i == self.me else None) for i in contrib]])
+        return gram([self.codec.decode(c[k][2], c[k][1]) for c in chunks] for k in range(len(chunks[0])))
 
     def own(self, encoded: list[tuple[int, int, bytes]], frames: list[Frame]) -> None:
         """Our own slice of our part, encoded in chunks [(start, end, bytes)] as we average it

@@ -20,7 +20,8 @@ import torch
 from peer.data import Corpus, ShardSampler, heldout_batches, load_corpus
 from peer.model import Transformer
 from peer.worker import Worker, evaluate, pick_device
-from protocol.butterfly import robust_factors, slice_bounds, slice_norm, witnessed, witnesses_of
+from protocol.butterfly import slice_bounds, slice_norm, witnessed, witnesses_of
+from protocol.gate import gram, robust_factors
 from protocol.codecs import Codec, get_codec
 from protocol.config import ConfigError, TrainConfig
 
@@ -115,7 +116,7 @@ def reduce_part(vectors: list[torch.Tensor], shares: list[float], j: int, codec:
     s, e = slice_bounds(vectors[0].numel(), len(vectors))[j]
     data = [codec.encode(v[s:e]) for v in vectors]
     slices = [codec.decode(d, e - s) for d in data]
-    scales, _ = robust_factors([slice_norm(x) for x in slices], shares, clip, gate, slices.__getitem__)
+    scales, _ = robust_factors([slice_norm(x) for x in slices], shares, clip, gate, lambda: gram([slices]))
     acc = torch.zeros(e - s, dtype=torch.float32)  # reducer j's fp32 accumulator
     for i in range(len(vectors)):
         codec.decode_add_(acc, data[i], shares[i] * scales[i])

@@ -46,9 +46,10 @@ from typing import Any
 import msgpack
 import torch
 
-from protocol.butterfly import GATE_CHOICES, clip_scales, gate_view, gated_factors, slice_norm
+from protocol.butterfly import clip_scales, slice_norm
 from protocol.codecs import get_codec
 from protocol.envelope import Verified, verify
+from protocol.gate import GATE_CHOICES, Gate, gated_factors, gates, gram
 from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.messages import MAX_FRAME_BYTES, digest
 from protocol.messages_swarm import PushSlice, SliceAveraged
@@ -150,10 +151,10 @@ def _check(means: list[Verified], input_frames: Sequence[bytes], run_id: bytes,
                                 f"{head.fragment}) over a weight of {head.weight:g}, from inputs weighing {total:g}")
     shares = [weights[k] / total for k in keys]
     choices: Iterable[frozenset[int]] | None = [frozenset()]
-    if gate and clip and len(keys) >= 3:  # as protocol.butterfly.robust_factors
-        choices = gate_view([w * s for w, s in zip(shares, scales)], norms, shares, values.__getitem__).possible()
-        if choices is None:  # more contributions on the gate's line than an audit can try: nothing to say
-            return OK, reducer, f"over {GATE_CHOICES} contributions within the direction gate's margin"
+    if gates(len(keys), clip, gate):  # as protocol.gate.robust_factors
+        choices = Gate([w * s for w, s in zip(shares, scales)], shares, gram([values])).possible()
+        if choices is None:  # more outcomes within the gate's margin than an audit can try: nothing to say
+            return OK, reducer, f"over {GATE_CHOICES} outcomes of the direction gate within its margin"
     best = math.inf
     for gated in choices:  # each gate decision an honest reducer may have taken
         acc = torch.zeros(end - start, dtype=torch.float32)

@@ -21,22 +21,20 @@ brought down to it, which cost honest runs 0.3% held-out loss in ``bench/quality
 liar's push counts as one honest norm in whatever direction it chose (at ``clip`` = 2, twice
 that: a constant direction cost +24% there, at 1 +2%).
 
-Direction gate (the run's ``sync.gate``, on for runs made since it exists): after the clip, a
-contribution that points against the sum of the others' clipped terms (a negative dot) counts
-for nothing: its factor is 0 and the mean keeps its weight in the total, so the others' terms
-stay what they were (``gate_view``). The clip bounds how far a liar pushes; the gate, where
-it pushes: one liar of four pushing against the others cost +0.2-0.5% held-out loss in the
-simulation instead of clip 1's +1.8-2.8% (``bench/robust_mean.py``). When every term would
-be gated (a group of two whose members disagree), none is: the gate does nothing in pairs.
+Direction gate (the run's ``sync.gate``, on for runs made since it exists; ``protocol.gate``):
+after the clip, the contribution pointing furthest against the sum of the others' terms (a
+negative dot) counts for nothing, then the next against what is left, while the weight taken
+out stays within a third (``GATE_MOST``); the mean is over the weight kept. The clip bounds
+how far a liar pushes; the gate, where: one liar of four within the clip cost +0.3-0.5%
+held-out loss in the simulation instead of clip 1's +1.8-2.8% (``bench/robust_mean.py``).
+It does nothing in pairs (each is against the other, or neither, and one is half).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from itertools import combinations
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -310,115 +308,15 @@ def clip_scales(norms: Sequence[float], clip: float) -> list[float]:
     return [clip_scale(n, median, clip) for n in norms]
 
 
-GATE_MARGIN = 1e-6
-"""A contribution whose dot with the others' sum is within this x its norm x (the others' sum's
-norm + the whole sum's) of 0 may be gated or kept (``GateView.possible``): a reducer and an
-auditor add the same float64 products in other orders, and neither decision may convict."""
-GATE_CHOICES = 8
-"""Most contributions within the margin whose every choice an audit tries (2 ** this means)."""
 GATE_MOST = 1.0 / 3.0
-"""The gate takes out at most this share of a part's weight (one of three equal members, give
-or take ``GATE_SLACK``): when the contributions pointing against the others' sum weigh more,
-none is taken out. The kept terms' shares grow by at most 1 / (1 - this), and the screen must
-allow them that room (``screen_mean``): at a half (x2) a negated mean passed the screen with
-two witnesses in 36 of 36 groups of 3 (cosine 0.3) and 10 of 48 of 4; at a third (x1.5), 1 of
-36 and 0 of 48 (without the gate, 0 and 0: ``bench/witness.py --clip 1 [--gate]``)."""
+"""The direction gate (``protocol.gate``) takes out at most this share of a part's weight (one
+of three equal members, give or take ``GATE_SLACK``). The kept terms' shares grow by at most
+1 / (1 - this), and the screen must allow them that room (``screen_mean``): at a half (x2) a
+negated mean passed the screen with two witnesses in 36 of 36 groups of 3 (cosine 0.3) and 10
+of 48 of 4; at a third (x1.5), 1 of 36 and 0 of 48 (without the gate, 0 and 0:
+``bench/witness.py --clip 1 [--gate]``)."""
 GATE_SLACK = 1e-9
 """How far over ``GATE_MOST`` (relative to the part's weight) the gated weight may be: the
-reducer's and an auditor's sums of the same shares differ by a rounding, and a set of one of
-three equal members is at ``GATE_MOST`` exactly. An audit takes either decision for a set
-whose weight is within 1e-12 of this (``GateView.possible``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class GateView:
-    """What the direction gate sees of a part's contributions: per contribution, ``along`` its
-    dot with the sum of the others' terms (each ``share x clip scale x slice``), ``room`` how
-    near 0 that is still a rounding, and ``shares`` its share of the weight; ``live``, those
-    whose term is not 0."""
-
-    along: tuple[float, ...]
-    room: tuple[float, ...]
-    shares: tuple[float, ...]
-    live: frozenset[int]
-
-    def _over(self, out: set[int]) -> float:
-        """How far the weight of ``out`` is over ``GATE_MOST`` of the whole, relative to it."""
-        whole = math.fsum(self.shares)
-        return (math.fsum(self.shares[i] for i in out) - GATE_MOST * whole) / whole if whole > 0 else 1.0
-
-    def _fallback(self, out: set[int]) -> frozenset[int]:
-        return frozenset() if (self.live and self.live <= out) or self._over(out) > GATE_SLACK else frozenset(out)
-
-    def gated(self) -> frozenset[int]:
-        """Those a reducer takes out: every live one with a negative ``along``, unless they are
-        every live one or weigh more than ``GATE_MOST`` of the whole (then none)."""
-        return self._fallback({i for i in self.live if self.along[i] < 0})
-
-    def possible(self) -> Iterator[frozenset[int]] | None:
-        """Every set of gated contributions an honest reducer may have taken (those surely
-        gated, and any choice for those within ``room``; both sides of ``GATE_MOST`` for a set
-        whose weight is at it within a rounding); None when more than ``GATE_CHOICES`` are
-        within the room (no audit can try them all)."""
-        sure = {i for i in self.live if self.along[i] < -self.room[i]}
-        either = [i for i in sorted(self.live) if abs(self.along[i]) <= self.room[i]]
-        if len(either) > GATE_CHOICES:
-            return None
-        out: set[frozenset[int]] = set()
-        for k in range(len(either) + 1):
-            for c in combinations(either, k):
-                g = sure | set(c)
-                out.add(self._fallback(g))
-                if abs(self._over(g) - GATE_SLACK) <= 1e-12 and not (self.live and self.live <= g):
-                    out.update((frozenset(), frozenset(g)))
-        return iter(sorted(out, key=sorted))
-
-
-def gate_view(terms: Sequence[float], norms: Sequence[float], shares: Sequence[float],
-              decoded: Callable[[int], torch.Tensor]) -> GateView:
-    """The ``GateView`` of contributions whose terms are ``terms[i] x decoded(i)`` (``terms``:
-    share x clip scale; ``norms``: each slice's norm; ``shares``: each one's weight share;
-    ``decoded(i)``: slice i as averaged, read twice, so a caller need not hold every slice at
-    once). In float64."""
-    live = frozenset(i for i, (c, n) in enumerate(zip(terms, norms)) if c > 0 and n > 0)
-    if not live:
-        return GateView(tuple(0.0 for _ in terms), tuple(0.0 for _ in terms), tuple(shares), live)
-    whole: torch.Tensor | None = None
-    for i in sorted(live):
-        x = decoded(i).to(torch.float64)
-        whole = x * terms[i] if whole is None else whole.add_(x, alpha=terms[i])
-    assert whole is not None
-    whole_sq = float(whole.dot(whole))
-    along, room = [0.0] * len(terms), [0.0] * len(terms)
-    for i in live:
-        c, n = terms[i], norms[i]
-        dot = float(decoded(i).double().dot(whole))
-        along[i] = dot - c * n * n  # <x_i, sum of the others' terms>
-        rest = math.sqrt(max(0.0, whole_sq - 2.0 * c * dot + c * c * n * n))
-        room[i] = GATE_MARGIN * n * (rest + math.sqrt(whole_sq))
-    return GateView(tuple(along), tuple(room), tuple(shares), live)
-
-
-def gated_factors(scales: Sequence[float], shares: Sequence[float], gated: frozenset[int]) -> list[float]:
-    """Per contribution, what its share is multiplied by when ``gated`` are taken out: 0 for
-    those, and for the others their clip scale x the whole weight over the weight kept (the
-    mean is over the contributions kept, each at its clip scale)."""
-    if not gated:
-        return list(scales)
-    whole = math.fsum(shares)
-    kept = whole - math.fsum(shares[i] for i in gated)
-    return [0.0 if i in gated else s * whole / kept for i, s in enumerate(scales)]
-
-
-def robust_factors(norms: Sequence[float], shares: Sequence[float], clip: float, gate: bool,
-                   decoded: Callable[[int], torch.Tensor]) -> tuple[list[float], frozenset[int]]:
-    """Per contribution, what its share is multiplied by in the mean: its ``clip_scales``
-    factor, or, under the direction gate (``gate``), 0 for one it takes out and the kept ones'
-    factors raised so that the mean is over the weight kept (``gated_factors``). The gate acts
-    with a clip (the plain mean, ``clip`` 0, is left plain) and three contributions or more.
-    -> (factors, gated)."""
-    scales = clip_scales(norms, clip)
-    if not gate or not clip or len(norms) < 3:
-        return scales, frozenset()
-    gated = gate_view([s * c for s, c in zip(shares, scales)], norms, shares, decoded).gated()
-    return gated_factors(scales, shares, gated), gated
+reducer's and an auditor's sums of the same shares differ by a rounding, and one of three
+equal members is at ``GATE_MOST`` exactly. An audit takes either decision for a set whose
+weight is within 1e-12 of this (``protocol.gate.Gate.possible``)."""

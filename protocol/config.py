@@ -257,14 +257,15 @@ class SyncConfig:
     (see docs/THREAT_MODEL.md). An audit costs the auditor about one part's pushes plus its
     reducer's slice in fp32. 0 turns audits off."""
     gate: bool = True
-    """Direction gate, after the clip: a member's slice that points against the sum of the
-    others' (a negative dot) counts for nothing in its part's mean, which keeps its weight in
-    the total (``protocol.butterfly.robust_factors``). The clip bounds how far one liar pushes,
-    the gate where: one liar of four pushing against the others cost +0.2-0.5% held-out loss in
-    ``bench/robust_mean.py`` instead of the clip's +1.8-2.8%, with honest runs unchanged. It
-    acts with a clip only (``clip`` 0 is the plain mean) and among three contributions or more
-    (it does nothing in pairs). A run whose manifest was
-    made before this field existed has it off (``protocol.manifest``)."""
+    """Direction gate, after the clip: the member's slice pointing furthest against the sum of
+    the others' (a negative dot) counts for nothing in its part's mean, then the next against
+    what is left, up to a third of the part's weight; the mean is over the weight kept
+    (``protocol.gate``). The clip bounds how far one liar pushes, the gate where: one liar of
+    four pushing against the others cost +0.3-0.5% held-out loss in ``bench/robust_mean.py``
+    instead of the clip's +1.8-2.8%, with honest runs unchanged. It acts with a clip only
+    (``clip`` 0 is the plain mean) and among three contributions or more (it does nothing in
+    pairs). A run whose manifest was made before this field existed has it off
+    (``protocol.manifest``)."""
 
     def __post_init__(self) -> None:
         _check(self.method in ("diloco", "ddp"), f"sync.method must be 'diloco' or 'ddp', got {self.method!r}")

@@ -1,4 +1,4 @@
-"""The direction gate (``protocol.butterfly.robust_factors``, a run's ``sync.gate``): after the
+"""The direction gate (``protocol.gate.robust_factors``, a run's ``sync.gate``): after the
 clip, a slice that points against the sum of the others' terms counts for nothing. Its rule is
 one that every check of a reducer recomputes, so each is held to it: the reducer, the
 simulation, the audit (which must accept either decision for a slice on the gate's line, and
@@ -18,7 +18,8 @@ from hypothesis import given, settings, strategies as st
 
 from peer import simulation
 from protocol.audit import OK, WRONG, check
-from protocol.butterfly import GATE_MARGIN, GATE_SLACK, GateView, gate_view, robust_factors, slice_bounds, slice_norm
+from protocol.butterfly import GATE_SLACK, slice_bounds, slice_norm
+from protocol.gate import Gate, gram, robust_factors
 from protocol.codecs import get_codec
 from protocol.config import CODEC_NAMES, SyncConfig, TrainConfig, to_dict
 from protocol.identity import Identity
@@ -30,9 +31,10 @@ from tests.unit.test_mean_screen import group, reduce_part, screen, witnessed_sc
 N = 640
 
 
-def _factors(vecs: list[torch.Tensor], clip: float = 1.0, gate: bool = True) -> tuple[list[float], frozenset[int]]:
-    shares = [1.0 / len(vecs)] * len(vecs)
-    return robust_factors([slice_norm(v) for v in vecs], shares, clip, gate, vecs.__getitem__)
+def _factors(vecs: list[torch.Tensor], clip: float = 1.0, gate: bool = True,
+             shares: list[float] | None = None) -> tuple[list[float], frozenset[int]]:
+    shares = shares or [1.0 / len(vecs)] * len(vecs)
+    return robust_factors([slice_norm(v) for v in vecs], shares, clip, gate, lambda: gram([vecs]))
 
 
 def test_a_slice_against_the_others_counts_for_nothing_and_the_mean_is_over_the_others():
@@ -49,51 +51,62 @@ def test_a_slice_against_the_others_counts_for_nothing_and_the_mean_is_over_the_
 def test_the_gate_takes_out_at_most_a_third_of_the_weight():
     vecs, _ = group(2, 4, 0.3, 1.1)
     vecs[3] = -2.0 * vecs[3]
-    heavy = [0.2, 0.2, 0.2, 0.4]  # the one pointing against the others weighs more than a third
-    assert robust_factors([slice_norm(v) for v in vecs], heavy, 1.0, True, vecs.__getitem__)[1] == frozenset()
-    even = [0.25, 0.25, 0.25, 0.25]
-    assert robust_factors([slice_norm(v) for v in vecs], even, 1.0, True, vecs.__getitem__)[1] == {3}
+    assert _factors(vecs, shares=[0.2, 0.2, 0.2, 0.4])[1] == frozenset()  # it weighs more than a third
+    assert _factors(vecs, shares=[0.25] * 4)[1] == {3}
 
 
-def test_honest_slices_that_agree_some_are_never_gated():
-    for seed in range(20):
-        vecs, _ = group(seed, 6, 0.2, 1.5)
-        assert _factors(vecs)[1] == frozenset()
+@pytest.mark.parametrize("k", [4, 6, 8])
+def test_a_liar_aimed_at_one_honest_push_is_taken_out_and_that_push_kept(k):
+    """The liar pushes against one honest member's push, at the honest norm, so that the
+    others' sum points against that push too: taken out first (its cosine is the lowest), it
+    leaves the honest one with the others again. A rule that took out every push against the
+    others at once took both, or (over a third of the weight, in a group of 4) neither."""
+    for seed in range(10):
+        vecs, _ = group(seed, k, 0.1, 1.05)
+        target = vecs[0]
+        vecs[-1] = -target * (slice_norm(vecs[1]) / slice_norm(target))
+        shares = [1.0 / k] * k
+        g = gram([vecs])
+        at_once = [i for i in range(k) if float(sum(g[i, j] for j in range(k) if j != i)) < 0]
+        assert 0 in at_once and k - 1 in at_once  # the target, too, points against the others' sum
+        assert _factors(vecs)[1] == {k - 1}
+        assert Gate([1.0 / k] * k, shares, g).possible() == {frozenset({k - 1})}
 
 
-def test_the_gate_does_nothing_in_pairs_without_a_clip_or_when_it_would_take_every_slice():
+def test_the_gate_does_nothing_in_pairs_or_without_a_clip_and_keeps_one_slice_at_least():
     a = torch.randn(N, generator=torch.Generator().manual_seed(0))
-    assert _factors([a, -a])[1] == frozenset()  # a pair that disagrees: each against the other
-    vecs = [a, -a, -a]
-    assert _factors(vecs, clip=0.0)[1] == frozenset()  # the plain mean stays plain
-    # three slices each pointing against the sum of the other two: none left to count, so all count
+    assert _factors([a, -a])[1] == frozenset()  # a pair that disagrees: each against the other, half each
+    assert _factors([a, -a, -a], clip=0.0)[1] == frozenset()  # the plain mean stays plain
+    # three slices each pointing against the sum of the other two, alike: one goes (the lowest
+    # cosine; a tie, by index), and each of the two left is half the weight
     e = torch.eye(3, dtype=torch.float32)
     rim = [e[0] - 0.6 * (e[1] + e[2]), e[1] - 0.6 * (e[0] + e[2]), e[2] - 0.6 * (e[0] + e[1])]
-    view = gate_view([1 / 3] * 3, [slice_norm(x) for x in rim], [1 / 3] * 3, rim.__getitem__)
-    assert all(view.along[i] < -view.room[i] for i in range(3))
-    assert view.gated() == frozenset()
+    gate = Gate([1 / 3] * 3, [1 / 3] * 3, gram([rim]))
+    assert gate.gated() == {0}
+    assert gate.possible() == {frozenset({0}), frozenset({1}), frozenset({2})}  # a tie: any, for an audit
 
 
 def test_a_slice_on_the_gates_line_may_go_either_way_for_an_audit():
     g = torch.Generator().manual_seed(4)
     a, b = torch.randn(N, generator=g), torch.randn(N, generator=g)
-    rest = a + b
+    rest = (a + b).double()
     c = torch.randn(N, generator=g).double()
-    c = (c - c.dot(rest.double()) / rest.double().dot(rest.double()) * rest.double()).float()  # orthogonal to a + b
-    view = gate_view([1 / 3] * 3, [slice_norm(x) for x in (a, b, c)], [1 / 3] * 3, [a, b, c].__getitem__)
-    assert abs(view.along[2]) <= view.room[2] and view.room[2] < 1e-5 * slice_norm(c) * slice_norm(rest)
-    assert set(view.possible()) == {frozenset(), frozenset({2})}
-    assert GATE_MARGIN < 1e-5
+    c = (c - c.dot(rest) / rest.dot(rest) * rest).float()  # orthogonal to a + b
+    gate = Gate([1 / 3] * 3, [1 / 3] * 3, gram([[a, b, c]]))
+    assert gate.possible() == {frozenset(), frozenset({2})}
+    assert gate.gated() in gate.possible()
 
 
 def test_one_of_three_equal_members_may_be_gated_and_a_set_at_the_limit_either_way_for_an_audit():
-    view = GateView(along=(1.0, 1.0, -1.0), room=(1e-9,) * 3, shares=(1 / 3,) * 3, live=frozenset(range(3)))
-    assert view.gated() == {2} and set(view.possible()) == {frozenset({2})}  # a third, give or take a rounding
-    heavier = dataclasses.replace(view, shares=(0.3, 0.3, 0.4))
-    assert heavier.gated() == frozenset() and set(heavier.possible()) == {frozenset()}
+    g = torch.tensor([[1.0, 0.5, -0.6], [0.5, 1.0, -0.6], [-0.6, -0.6, 1.0]], dtype=torch.float64)
+    third = Gate([1 / 3] * 3, [1 / 3] * 3, g)
+    assert third.gated() == {2} and third.possible() == {frozenset({2})}  # a third, give or take a rounding
+    heavier = Gate([0.3, 0.3, 0.4], [0.3, 0.3, 0.4], g)
+    assert heavier.gated() == frozenset() and heavier.possible() == {frozenset()}
     edge = 1 / 3 + GATE_SLACK  # at the limit: an auditor's sum of the shares may fall on either side of it
-    at_limit = dataclasses.replace(view, shares=((1 - edge) / 2, (1 - edge) / 2, edge))
-    assert set(at_limit.possible()) == {frozenset(), frozenset({2})} and at_limit.gated() in at_limit.possible()
+    shares = [(1 - edge) / 2, (1 - edge) / 2, edge]
+    at_limit = Gate(shares, shares, g)
+    assert at_limit.possible() == {frozenset(), frozenset({2})} and at_limit.gated() in at_limit.possible()
 
 
 @given(st.integers(0, 10_000), st.integers(3, 6), st.sampled_from([-1.0, 0.0, 0.3, 0.9]),
