@@ -215,7 +215,8 @@ def run_show(args: argparse.Namespace) -> int:
           f"d_model {m.train.model.d_model}")
     s = m.train.sync
     print(f"sync         {s.method} H={s.inner_steps} P={s.fragments} tau={s.overlap} alpha={s.alpha} codec={s.codec} "
-          f"clip={s.clip} gate={'on' if s.gate else 'off'} audit={s.audit} late_share={s.late_share} {'follow' if s.follow else 'lockstep'}")
+          f"clip={s.clip} gate={'on' if s.gate else 'off'} audit={s.audit} late_share={s.late_share} "
+          f"{'follow' if s.follow else 'lockstep'}")
     print(f"data         {_data_line(m.train)}")
     print(f"swarm        group of {m.swarm.group_size}, matchmaking {m.swarm.matchmaking_timeout_s:g} s, "
           f"all-reduce {m.swarm.allreduce_timeout_s:g} s")
