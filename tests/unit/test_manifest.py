@@ -185,14 +185,17 @@ def test_run_new_writes_a_signed_manifest_and_prints_its_id(tmp_path, capsys):
     opened = open_manifest(out.read_bytes())
     m = opened.manifest
     sync = m.train.sync
-    assert (sync.inner_steps, sync.fragments, sync.overlap, sync.alpha, sync.codec, sync.follow) == (
-        100, 4, 2, 0.5, "fp4", False)
+    assert (sync.inner_steps, sync.fragments, sync.overlap, sync.alpha, sync.codec, sync.follow, sync.gate) == (
+        100, 4, 2, 0.5, "fp4", False, True)
     assert (m.train.inner.lr, m.train.outer.lr, m.train.data.seed, m.swarm.group_size) == (1e-3, 0.5, 7, 4)
     assert m.creator == Identity.from_libp2p(key.read_bytes()).public_key
     assert opened.run_id_text in printed and f"swarmstream host {out}" in printed  # what to do next
     assert _cli(["run", "show", str(out), "--run-id", opened.run_id_text]) == 0
     shown = capsys.readouterr().out
-    assert "demo" in shown and "lockstep" in shown
+    assert "demo" in shown and "lockstep" in shown and "gate=on" in shown
+    plain = tmp_path / "plain.swarmrun"
+    assert _cli(["run", "new", "--name", "plain", "--no-gate", "--identity", str(key), "--out", str(plain)]) == 0
+    assert open_manifest(plain.read_bytes()).manifest.train.sync.gate is False
 
 
 @pytest.mark.parametrize("flags, reason", [
