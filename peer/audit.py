@@ -185,7 +185,8 @@ class Audits:
             self._convict(reducer, why, proof)
             self._share(rnd, j, proof)
         elif verdict == UNPROVEN:
-            log.warning("audit: reducer did not show the inputs of its mean part=%d reducer=%s group=%s: %s; %s",
+            log.warning("audit: reducer's mean not checked (its inputs not shown, or not checkable) part=%d "
+                        "reducer=%s group=%s: %s; %s",
                         j, pending.reducer, g.group_id.hex(), why,
                         "not grouping with it any more" if lied else
                         f"not grouping with it for {suspended} syncs" if suspended else "judged already")

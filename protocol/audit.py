@@ -28,7 +28,10 @@ share), and compares with what the reducer signed, decoded:
   that signs two different pushes cannot frame an honest reducer either: only the push the
   reducer committed to matches the commitment;
 - ``UNPROVEN``: the frames do not match the commitment, or are incomplete: the reducer did not
-  show its inputs, which proves nothing to others (the auditor stops grouping with it).
+  show its inputs, which proves nothing to others (the auditor stops grouping with it); or,
+  under the direction gate, more outcomes of the gate are within its rounding than an audit
+  tries (``protocol.gate.Gate.possible``: pushes placed on its line on purpose), and the mean
+  is not checked (the auditor suspends the reducer, as for an answer cut short).
 
 What an audit bounds: the reducer's own slice is its word, so a reducer that lies
 consistently can still move its part as far as any contributor can (``clip`` x the lower
@@ -153,8 +156,9 @@ def _check(means: list[Verified], input_frames: Sequence[bytes], run_id: bytes,
     choices: Iterable[frozenset[int]] | None = [frozenset()]
     if gates(len(keys), clip, gate):  # as protocol.gate.robust_factors
         choices = Gate([w * s for w, s in zip(shares, scales)], shares, gram([values])).possible()
-        if choices is None:  # more outcomes within the gate's margin than an audit can try: nothing to say
-            return OK, reducer, f"over {GATE_CHOICES} outcomes of the direction gate within its margin"
+        if choices is None:  # pushes placed on the gate's line: no honest push is; the reducer is not cleared
+            return UNPROVEN, reducer, (f"over {GATE_CHOICES} outcomes of the direction gate within its rounding "
+                                       "(pushes placed on its line): the mean is not checked")
     best = math.inf
     for gated in choices:  # each gate decision an honest reducer may have taken
         acc = torch.zeros(end - start, dtype=torch.float32)

@@ -31,12 +31,16 @@ import torch
 from protocol.butterfly import GATE_MOST, GATE_SLACK, clip_scales
 
 GATE_MARGIN = 1e-6
-"""A dot within this x its two vectors' norms (the contribution's, and the others' sum's plus
-the whole sum's) of 0, or two cosines within this of each other, may be decided either way by
-an auditor (``Gate.possible``): the reducer and the auditor sum the same float64 products in
-other orders, and neither decision may convict."""
+"""A dot within this x the contribution's norm x the sum of the kept terms' norms of 0 (what a
+float64 sum of the same products in any order can be off by, however the terms cancel), or
+two cosines that close, may be decided either way by an auditor (``Gate.possible``): the
+reducer and the auditor sum in other orders, and neither decision may convict. (A margin
+relative to the sums' own norms was too small where two huge terms cancel: a review's repro
+convicted an honest reducer that way.)"""
 GATE_CHOICES = 256
-"""Most outcomes an audit tries; with more within the margin the audit proves nothing."""
+"""Most sets of gated contributions an audit recomputes a mean for."""
+GATE_STEPS = 4096
+"""Most steps (sets of contributions still kept) an audit follows."""
 
 
 def gram(blocks: Iterable[Sequence[torch.Tensor]]) -> torch.Tensor:
@@ -71,12 +75,13 @@ class Gate:
         k = sorted(kept)
         tg = {i: math.fsum(self.t[j] * self.g[i][j] for j in k) for i in k}  # <x_i, sum of kept terms>
         whole_sq = max(0.0, math.fsum(self.t[i] * tg[i] for i in k))
+        span = math.fsum(self.t[j] * self.norms[j] for j in k)  # the kept terms' norms: what rounding is relative to
         out = {}
         for i in k:
             c, n = self.t[i], self.norms[i]
             along = tg[i] - c * self.g[i][i]
             rest = math.sqrt(max(0.0, whole_sq - 2.0 * c * tg[i] + c * c * self.g[i][i]))
-            room = GATE_MARGIN * n * (rest + math.sqrt(whole_sq))
+            room = GATE_MARGIN * n * span
             out[i] = (along, room, along / (n * rest), room / (n * rest)) if rest > 0 else (along, room, 0.0, math.inf)
         return out
 
@@ -101,15 +106,18 @@ class Gate:
     def possible(self) -> set[frozenset[int]] | None:
         """Every set an honest reducer may have taken out, given that it rounded otherwise: at
         each step, any contribution whose dot is within its room of 0 may have been seen
-        either side of it, any whose cosine is within ``GATE_MARGIN`` of the lowest may have
-        been the lowest, and a weight at the limit within 1e-12 may have stopped it or not.
-        None when that gives more than ``GATE_CHOICES`` paths."""
+        either side of it, any whose cosine is within a rounding of the lowest may have been the
+        lowest, and a weight at the limit within 1e-12 may have stopped it or not. None when
+        that gives more than ``GATE_CHOICES`` sets or ``GATE_STEPS`` steps: only pushes placed
+        on the gate's line on purpose do that."""
         found: set[frozenset[int]] = set()
-        budget = [GATE_CHOICES]
+        seen_steps: set[frozenset[int]] = set()
 
         def explore(kept: frozenset[int], out: frozenset[int]) -> bool:
-            budget[0] -= 1
-            if budget[0] < 0:
+            if kept in seen_steps:
+                return True  # (``out`` is ``live - kept``: the same step by another path)
+            seen_steps.add(kept)
+            if len(seen_steps) > GATE_STEPS or len(found) > GATE_CHOICES:
                 return False
             if len(kept) <= 1:
                 found.add(out)
@@ -134,7 +142,7 @@ class Gate:
                     return False
             return True
 
-        return found if explore(self.live, frozenset()) else None
+        return found if explore(self.live, frozenset()) and len(found) <= GATE_CHOICES else None
 
 
 def gated_factors(scales: Sequence[float], shares: Sequence[float], gated: frozenset[int]) -> list[float]:

@@ -192,7 +192,8 @@ class Opt(Rule):
 class ConfigOf(Rule):
     """A ``protocol.config``-style dataclass; on the wire a map with sorted keys. ``absent``:
     (dotted path, value) for fields newer than the message, taken when the map lacks them (a
-    field whose default for new configs is not what older messages meant)."""
+    field whose default for new configs is not what older messages meant), and left off when
+    they hold it, so that what an older version could say reads there as before."""
 
     cls: type
     absent: tuple[tuple[str, Any], ...] = ()
@@ -215,7 +216,15 @@ class ConfigOf(Rule):
             raise FieldError(str(e)) from None
 
     def to_wire(self, v: Any) -> Any:
-        return _sorted_maps(to_dict(v))
+        out = to_dict(v)
+        for path, value in self.absent:
+            *sections, name = path.split(".")
+            at = out
+            for s in sections:
+                at = at[s]
+            if at[name] == value and type(at[name]) is type(value):
+                del at[name]
+        return _sorted_maps(out)
 
 
 def _with(d: dict[str, Any], path: list[str], value: Any) -> dict[str, Any]:

@@ -55,7 +55,7 @@ def test_the_gate_takes_out_at_most_a_third_of_the_weight():
     assert _factors(vecs, shares=[0.25] * 4)[1] == {3}
 
 
-@pytest.mark.parametrize("k", [4, 6, 8])
+@pytest.mark.parametrize("k", [3, 4, 6, 8])
 def test_a_liar_aimed_at_one_honest_push_is_taken_out_and_that_push_kept(k):
     """The liar pushes against one honest member's push, at the honest norm, so that the
     others' sum points against that push too: taken out first (its cosine is the lowest), it
@@ -191,3 +191,7 @@ def test_a_manifest_made_before_the_gate_keeps_its_rules_and_a_new_one_gates():
     assert rule.check(before, "train").sync.gate is False
     assert "gate" not in before["sync"]  # the map given is left alone
     assert TrainConfig().sync.gate is True  # a config file without the key: the default of new runs
+    # a run made without the gate is written as a version before it wrote it: older clients open it
+    plain = dataclasses.replace(new, train=TrainConfig(sync=SyncConfig(gate=False)))
+    assert "gate" not in rule.to_wire(plain.train)["sync"] and "gate" in rule.to_wire(new.train)["sync"]
+    assert decode(encode(plain)).train.sync.gate is False
