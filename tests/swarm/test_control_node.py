@@ -49,7 +49,9 @@ def test_pause_releases_the_model_resume_catches_up_and_stop_finishes_the_round(
     second = subprocess.run(module_command("peer.node", "--address", demo.address, "--identity",
                                            str(workdir / "peer0.key"), "--data-dir", str(workdir / "x"), "--control",
                                            str(workdir / "x.sock"), "--settings", str(workdir / "peer0.toml")),
-                            capture_output=True, text=True, timeout=60, env=child_env(), cwd=child_cwd(workdir))
+                            capture_output=True, text=True, timeout=180, env=child_env(), cwd=child_cwd(workdir))
+    # (a bound, not a wait: on a machine with more work than cores, starting Python, torch and
+    # hivemind took most of a 60 s bound once, and the refusal was printed but the exit not in)
     assert second.returncode == 2 and "already runs with the identity" in second.stderr
 
     # pause: what is in flight is contributed, the model is dropped, the step stands still
