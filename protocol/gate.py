@@ -60,11 +60,11 @@ class Gate:
     the weight share, ``g`` their slices' Gram matrix."""
 
     def __init__(self, terms: Sequence[float], shares: Sequence[float], g: torch.Tensor):
-        self.t = [float(x) for x in terms]
+        self.t = torch.tensor([float(x) for x in terms], dtype=torch.float64)
         self.shares = [float(x) for x in shares]
-        self.g = g.to(torch.float64).tolist()
-        self.n = len(self.t)
-        self.norms = [math.sqrt(max(0.0, self.g[i][i])) for i in range(self.n)]
+        self.g = g.to(torch.float64)
+        self.n = len(self.shares)
+        self.norms = torch.diagonal(self.g).clamp(min=0.0).sqrt()
         self.live = frozenset(i for i in range(self.n) if self.t[i] > 0 and self.norms[i] > 0)
         whole = math.fsum(self.shares)
         self.whole = whole if whole > 0 else 1.0
@@ -73,17 +73,18 @@ class Gate:
         """Per contribution in ``kept``: (along, room, cosine with the others' sum, how far a
         rounding may move that cosine)."""
         k = sorted(kept)
-        tg = {i: math.fsum(self.t[j] * self.g[i][j] for j in k) for i in k}  # <x_i, sum of kept terms>
-        whole_sq = max(0.0, math.fsum(self.t[i] * tg[i] for i in k))
-        span = math.fsum(self.t[j] * self.norms[j] for j in k)  # the kept terms' norms: what rounding is relative to
-        out = {}
-        for i in k:
-            c, n = self.t[i], self.norms[i]
-            along = tg[i] - c * self.g[i][i]
-            rest = math.sqrt(max(0.0, whole_sq - 2.0 * c * tg[i] + c * c * self.g[i][i]))
-            room = GATE_MARGIN * n * span
-            out[i] = (along, room, along / (n * rest), room / (n * rest)) if rest > 0 else (along, room, 0.0, math.inf)
-        return out
+        at = torch.tensor(k)
+        g, t, norms = self.g[at][:, at], self.t[at], self.norms[at]
+        tg = g @ t  # <x_i, sum of the kept terms>
+        whole_sq = max(0.0, float(t @ tg))
+        span = float(t @ norms)  # the kept terms' norms: what any order's rounding is relative to
+        diag = torch.diagonal(g)
+        along = (tg - t * diag).tolist()
+        rest = (whole_sq - 2.0 * t * tg + t * t * diag).clamp(min=0.0).sqrt().tolist()
+        room = (GATE_MARGIN * span * norms).tolist()
+        n = norms.tolist()
+        return {i: (along[a], room[a], along[a] / (n[a] * rest[a]), room[a] / (n[a] * rest[a])) if rest[a] > 0
+                else (along[a], room[a], 0.0, math.inf) for a, i in enumerate(k)}
 
     def _over(self, out: frozenset[int]) -> float:
         """How far the weight of ``out`` is over ``GATE_MOST`` of the whole, relative to it."""
