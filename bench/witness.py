@@ -20,7 +20,10 @@ correlation ``rho``, norms within 10%, equal weights; the generator of
 and its vouches): per group size and correlation, how many means of each kind every member
 refuses. ``falsedot``: the member after the reducer (the first witness) reports minus three
 times each of its true dots, in its own entry and in its vouch. ``foreign``: another part's
-mean, cut to this part's length. The swarm uses two (``protocol.butterfly.WITNESSES``); a
+mean, cut to this part's length. ``gated``: the mean over every member but the one before the
+reducer (clipped), which an honest reducer returns under the gate when it takes that member
+out: with ``--gate`` it must never be refused. ``x0.2``: the mean shrunk; ``own``: the
+reducer's own slice alone. The swarm uses two (``protocol.butterfly.WITNESSES``); a
 reducer cannot send its two witnesses different slices without proving its lie, since its
 mean commits to the one it averages (``SliceAveraged.own``).
 
@@ -42,11 +45,11 @@ import torch  # noqa: E402
 from benchutil import print_table, write_json  # noqa: E402
 
 from peer import simulation  # noqa: E402
-from protocol.butterfly import screen_mean, slice_bounds, slice_norm  # noqa: E402
+from protocol.butterfly import clip_scales, screen_mean, slice_bounds, slice_norm  # noqa: E402
 from protocol.codecs import get_codec  # noqa: E402
 
 N = 640
-KINDS = ("honest", "falsedot", "negated", "x1.5", "x3", "foreign")
+KINDS = ("honest", "gated", "falsedot", "negated", "x0.2", "own", "x1.5", "x3", "foreign")
 
 
 def group(seed: int, k: int, rho: float, spread: float = 1.1) -> list[torch.Tensor]:
@@ -75,8 +78,13 @@ def refusals(k: int, rho: float, seeds: int, witnesses: int, codec_name: str = "
             mean = codec.decode(payload, e - s)
             s2, e2 = bounds[(j + 1) % k]
             other = torch.stack([v[s2:e2] for v in vecs]).mean(0)
-            told = {"honest": mean, "falsedot": mean, "negated": -mean, "x1.5": 1.5 * mean, "x3": 3 * mean,
-                    "foreign": torch.cat([other, other])[: e - s]}
+            # the mean a gating reducer returns when it takes out the last member (honest under the
+            # gate, in groups of 3 or more; a lie without it)
+            out_one = (j - 1) % k
+            scales = clip_scales([slice_norm(x) for x in slices], clip)
+            gated = torch.stack([scales[i] * slices[i] for i in range(k) if i != out_one]).sum(0) / (k - 1)
+            told = {"honest": mean, "gated": gated, "falsedot": mean, "negated": -mean, "x0.2": 0.2 * mean,
+                    "own": slices[j], "x1.5": 1.5 * mean, "x3": 3 * mean, "foreign": torch.cat([other, other])[: e - s]}
             wits = [(j + 1 + t) % k for t in range(witnesses)]
             others = [i for i in range(k) if i != j]
             for kind, m in told.items():

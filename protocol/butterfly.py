@@ -171,36 +171,51 @@ def median_range(known: Sequence[float], unknown: int = 1) -> tuple[float, float
     return (o[t - unknown] if t >= unknown else 0.0), (o[t] if t < len(o) else math.inf)
 
 
-def mean_consistent(norm: float, error: float, reducer_share: float, reducer_norm: float,
-                    terms: Sequence[tuple[float, float, float | None, float]]) -> bool:
+def mean_consistent(norm: float, error: float, terms: Sequence[tuple[float, float, float | None, float]],
+                    lift: float = 1.0) -> bool:
     """Whether a reduced part ``m`` (decoded; ``norm`` = ||m||, ``error`` its encoding's
     ``Codec.error_bound``) can be its reducer's clipped weighted mean of its contributions.
-    The mean is ``sum_i share_i s_i x_i`` (``share_i`` = weight_i / the contributors' total
-    weight, ``s_i`` the clip scale in [lowest_i, 1]), so
+    The mean is ``sum_i f_i s_i x_i`` (``s_i`` the clip scale in [lowest_i, 1]; ``f_i`` the
+    factor, ``share_i`` = weight_i / the contributors' total weight), so
 
-        ||m||^2 - sum_{i != reducer} share_i s_i <m, x_i>  =  <m, m - mean>  +  share_r s_r <m, x_r>,
+        ||m||^2 - sum_i f_i s_i <m, x_i>  =  <m, m - mean>,
 
-    whose size is at most ``norm * (error + reducer_share * reducer_norm)``, where
-    ``reducer_norm`` bounds the reducer's own clipped slice (``clip`` x the highest lower median:
-    its slice is its word, up to that). Each other contributor reported ``<m, x_i>`` (``terms``:
-    (share, lowest scale, dot or None when it did not say, its norm: ``|dot| <= norm x its
-    norm``)). False when no scales in their ranges make the two sides meet: a mean its
-    inputs cannot give (negated, another vector, scaled up), caught inside the round from one
-    number per member. A reducer's own slice stays its word, as for any contributor."""
-    if not math.isfinite(error) or not math.isfinite(reducer_norm):
+    whose size is at most ``norm * error``. Each term is (share, lowest scale, ``<m, x_i>`` or
+    None when nobody we believe said it, a bound on its norm: ``|dot| <= norm x that``); the
+    reducer's own slice is such a term too (with no dot, unless its witnesses vouched).
+
+    Without the gate (``lift`` 1) every factor is its share. Under the direction gate the gated
+    contributions' factors are 0 and the kept ones' ``weight / kept weight``, with at most
+    ``GATE_MOST`` of the weight out; every such choice lies in the polytope ``0 <= f_i <= lift x
+    share_i``, ``sum f_i = 1`` (``lift`` = 1 / (1 - GATE_MOST)), and the sum's range over it is a
+    fractional knapsack: the lowest values per unit of factor first for its low end, the highest
+    for its high end. A mean shrunk toward 0, one term alone, or a mean pointing elsewhere than
+    its terms' sum fits no such choice. False when no factors and scales in their ranges make
+    the two sides meet: a mean its inputs cannot give (negated, another vector, scaled up or
+    down), caught inside the round from one number per member."""
+    if not math.isfinite(error) or any(not math.isfinite(t[3]) for t in terms):
         return True
-    lo = hi = norm * norm
-    scale = norm * (norm + reducer_share * reducer_norm)
+    spans = []  # per term: (most it may take of the factors' sum, lowest and highest value per unit)
+    scale = norm * norm
     for share, lowest, dot, its_norm in terms:
         if dot is None:
-            span = share * norm * its_norm
-            lo, hi = lo - span, hi + span
+            a, b = -norm * its_norm, norm * its_norm
         else:
             a, b = sorted((lowest * dot, dot))
-            lo, hi = lo - share * b, hi - share * a
-        scale += share * norm * its_norm
-    allowed = norm * (error + reducer_share * reducer_norm) * (1 + 1e-5) + 1e-5 * scale  # fp32 sums' rounding
-    return lo <= allowed and hi >= -allowed
+        spans.append((lift * share, a, b))
+        scale += lift * share * norm * its_norm
+
+    def end(pick: int) -> float:  # the sum's low end (pick 1) or high end (pick 2)
+        left, out = 1.0, []
+        for room, *values in sorted(spans, key=lambda t: t[pick], reverse=pick == 2):
+            take = room if lift <= 1.0 else min(room, left)  # without the gate, every factor is its share
+            out.append(take * values[pick - 1])
+            left -= take
+        return math.fsum(out)
+
+    low, high = end(1), end(2)
+    allowed = norm * error * (1 + 1e-5) + 1e-5 * scale  # fp32 sums' rounding
+    return low - allowed <= norm * norm <= high + allowed
 
 
 def screen_mean(norm: float, error: float, clip: float, reducer_weight: float,
@@ -228,9 +243,10 @@ def screen_mean(norm: float, error: float, clip: float, reducer_weight: float,
     small for the clip to bound a liar.
 
     Under the direction gate (``gate``, among three contributions or more) any contribution
-    may count for nothing and the kept ones' shares grow by up to 1 / (1 - ``GATE_MOST``), so
-    each one's factor is anywhere from 0 to that: a mean shrunk toward 0, or grown up to that
-    much, fits; one pointing elsewhere than its terms' sum still does not."""
+    may count for nothing and the kept ones' shares grow by up to 1 / (1 - ``GATE_MOST``), while
+    the factors still sum to 1 (the mean is over the weight kept): ``mean_consistent``'s
+    knapsack. A first version let each factor be anywhere from 0 to that alone, and a mean
+    shrunk x0.2, or the reducer's own slice alone, passed every screen."""
     total = reducer_weight + math.fsum(w for w, _, _ in others)
     lift = 1.0 / (1.0 - GATE_MOST - GATE_SLACK) if gate and len(others) >= 2 else 1.0
     if not clip or not (others or vouched) or not (total > 0 and math.isfinite(total)):
@@ -253,13 +269,14 @@ def screen_mean(norm: float, error: float, clip: float, reducer_weight: float,
         if not math.isfinite(high):
             return True  # the unknown norms may set the clip: nothing bounds them
         cap = clip * high  # no contribution's clipped norm exceeds it
-        terms = [(lift * w / total, 0.0, None, cap) if i in unknown else
-                 (lift * w / total, 0.0 if lift > 1 else clip_scale(n, low, clip), dot, n)
+        terms = [(w / total, 0.0, None, cap) if i in unknown else (w / total, clip_scale(n, low, clip), dot, n)
                  for i, (w, n, dot) in enumerate(others)]
         if believed:
             n, d = believed[0]
-            terms.append((lift * reducer_weight / total, 0.0 if lift > 1 else clip_scale(n, low, clip), d, n))
-        return mean_consistent(norm, error, 0.0 if believed else lift * reducer_weight / total, cap, terms)
+            terms.append((reducer_weight / total, clip_scale(n, low, clip), d, n))
+        else:  # the reducer's own slice: its word, up to the clip
+            terms.append((reducer_weight / total, 0.0, None, cap))
+        return mean_consistent(norm, error, terms, lift)
 
     speaking = sorted({who[i] for i in range(len(others)) if i not in silent} | {w for w, _, _ in vouched})
     return any(fits(r) for r in speaking) if speaking else fits(None)
