@@ -77,7 +77,7 @@ def vectors(n: int, part: int, colluders: int, seed: int = 0) -> list[torch.Tens
 
 def one_audit(vecs: list[torch.Tensor], keys: list[Identity], negate: bool) -> tuple[str, int, float]:
     """Member 0 reduces part 0 (clip 1, gate on) and signs it, negated or not; an auditor checks
-    it. -> (verdict, sets tried, seconds of ``check``)."""
+    it. -> (verdict, sets the gate allows, seconds of ``check``)."""
     n, codec = len(vecs), get_codec(CODEC)
     g = Group(run_id=RUN, fragment=1, round=3, group_id=b"a" * 16, members=tuple(k.public_key for k in keys[:n]),
               weights=tuple([1.0] * n), numel=vecs[0].numel(), codec=CODEC, deadline_s=5.0)
@@ -141,7 +141,7 @@ def main() -> int:
         r["x_honest"] = r["seconds"] / base
     print(f"\naudit of one part ({args.elements:,} elements, {CODEC}, clip 1, gate on, {args.members} members)")
     print_table(rows, [("colluders", "colluders on the line", "d"), ("mean", "mean", "s"), ("verdict", "verdict", "s"),
-                       ("sets", "sets tried", "d"), ("seconds", "seconds", ".3f"), ("x_honest", "x honest audit", ".2f")])
+                       ("sets", "sets possible", "d"), ("seconds", "seconds", ".3f"), ("x_honest", "x honest audit", ".2f")])
     out = write_json(args.out, "audit_cost", {"elements": args.elements, "members": args.members, "codec": CODEC,
                                               "rows": rows})
     print(f"wrote {out}")
