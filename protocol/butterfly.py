@@ -171,17 +171,18 @@ def median_range(known: Sequence[float], unknown: int = 1) -> tuple[float, float
     return (o[t - unknown] if t >= unknown else 0.0), (o[t] if t < len(o) else math.inf)
 
 
-def mean_consistent(norm: float, error: float, terms: Sequence[tuple[float, float, float | None, float]],
+def mean_consistent(norm: float, error: float, terms: Sequence[tuple[float, float, float, float | None, float]],
                     lift: float = 1.0) -> bool:
     """Whether a reduced part ``m`` (decoded; ``norm`` = ||m||, ``error`` its encoding's
     ``Codec.error_bound``) can be its reducer's clipped weighted mean of its contributions.
-    The mean is ``sum_i f_i s_i x_i`` (``s_i`` the clip scale in [lowest_i, 1]; ``f_i`` the
+    The mean is ``sum_i f_i s_i x_i`` (``s_i`` the clip scale in [lowest_i, highest_i]; ``f_i`` the
     factor, ``share_i`` = weight_i / the contributors' total weight), so
 
         ||m||^2 - sum_i f_i s_i <m, x_i>  =  <m, m - mean>,
 
-    whose size is at most ``norm * error``. Each term is (share, lowest scale, ``<m, x_i>`` or
-    None when nobody we believe said it, a bound on its norm: ``|dot| <= norm x that``); the
+    whose size is at most ``norm * error``. Each term is (share, lowest and highest scale,
+    ``<m, x_i>`` or None when nobody we believe said it, a bound on its norm: ``|dot| <= norm x
+    that``); the
     reducer's own slice is such a term too (with no dot, unless its witnesses vouched).
 
     Without the gate (``lift`` 1) every factor is its share. Under the direction gate the gated
@@ -193,15 +194,15 @@ def mean_consistent(norm: float, error: float, terms: Sequence[tuple[float, floa
     its terms' sum fits no such choice. False when no factors and scales in their ranges make
     the two sides meet: a mean its inputs cannot give (negated, another vector, scaled up or
     down), caught inside the round from one number per member."""
-    if not math.isfinite(error) or any(not math.isfinite(t[3]) for t in terms):
+    if not math.isfinite(error) or any(not math.isfinite(t[4]) for t in terms):
         return True
     spans = []  # per term: (most it may take of the factors' sum, lowest and highest value per unit)
     scale = norm * norm
-    for share, lowest, dot, its_norm in terms:
+    for share, lowest, highest, dot, its_norm in terms:
         if dot is None:
             a, b = -norm * its_norm, norm * its_norm
         else:
-            a, b = sorted((lowest * dot, dot))
+            a, b = sorted((lowest * dot, highest * dot))
         spans.append((lift * share, a, b))
         scale += lift * share * norm * its_norm
 
@@ -269,13 +270,17 @@ def screen_mean(norm: float, error: float, clip: float, reducer_weight: float,
         if not math.isfinite(high):
             return True  # the unknown norms may set the clip: nothing bounds them
         cap = clip * high  # no contribution's clipped norm exceeds it
-        terms = [(w / total, 0.0, None, cap) if i in unknown else (w / total, clip_scale(n, low, clip), dot, n)
+        # a known term's scale lies between its clip scales at the lowest and highest median
+        # (``clip_scale`` does not decrease with the median): a slice far beyond the honest
+        # norms counts for little or nothing, however far it points along the mean
+        terms = [(w / total, 0.0, 1.0, None, cap) if i in unknown else
+                 (w / total, clip_scale(n, low, clip), clip_scale(n, high, clip), dot, n)
                  for i, (w, n, dot) in enumerate(others)]
         if believed:
             n, d = believed[0]
-            terms.append((reducer_weight / total, clip_scale(n, low, clip), d, n))
+            terms.append((reducer_weight / total, clip_scale(n, low, clip), clip_scale(n, high, clip), d, n))
         else:  # the reducer's own slice: its word, up to the clip
-            terms.append((reducer_weight / total, 0.0, None, cap))
+            terms.append((reducer_weight / total, 0.0, 1.0, None, cap))
         return mean_consistent(norm, error, terms, lift)
 
     speaking = sorted({who[i] for i in range(len(others)) if i not in silent} | {w for w, _, _ in vouched})
