@@ -383,8 +383,8 @@ def vouchers_needed(others: int) -> int:
     return 2 if others >= 2 else 1
 
 
-def repair_vote(me: bytes, mine: dict[tuple[int, ...], bytes], peers: dict[bytes, tuple[tuple[int, ...], bytes]]
-                ) -> tuple[bool, list[bytes], list[bytes]]:
+def repair_vote(me: bytes, mine: dict[tuple[int, ...], bytes], peers: dict[bytes, tuple[tuple[int, ...], bytes]],
+                trusted: frozenset[bytes] = frozenset()) -> tuple[bool, list[bytes], list[bytes]]:
     """Whether a node that went its own way should take the others' copy: -> (take, the keys
     that hold our copy (``me`` first), the keys that hold another).
 
@@ -392,15 +392,24 @@ def repair_vote(me: bytes, mine: dict[tuple[int, ...], bytes], peers: dict[bytes
     heartbeat (rounds, digest). A peer counts at the rounds it shows, if we passed them (in a
     fast swarm two peers rarely show the same rounds at one moment); others do not count.
     More peers hold our copy: keep it; more hold others: take theirs; a tie goes to the side
-    of the smallest key, the same choice on every peer whichever rounds each compared at, so
-    two peers that each averaged alone converge on one of their copies."""
+    of the run's creator (``trusted``: its word on the state is enough alone everywhere), then
+    to the side of the smallest key, the same choice on every peer whichever rounds each
+    compared at, so two peers that each averaged alone converge on one of their copies. (By
+    key alone, a joiner whose first sync after its download was alone replaced the model of
+    the run's host in a swarm of two.)"""
     agree, differ = [me], []
     for key, (rounds, digest) in peers.items():
         ours = mine.get(tuple(rounds))
         if digest and ours is not None:
             (agree if digest == ours else differ).append(key)
-    take = len(differ) > len(agree) or (len(differ) == len(agree) and min(differ) < min(agree))
+    take = len(differ) > len(agree) or (len(differ) == len(agree) and tie_rank(differ, trusted) < tie_rank(agree, trusted))
     return take, agree, differ
+
+
+def tie_rank(holders: Sequence[bytes], trusted: frozenset[bytes]) -> tuple[bool, bytes]:
+    """How a tie between copies is broken, lowest first: the copy the run's creator holds, then
+    the one the smallest key holds."""
+    return not trusted.intersection(holders), min(holders)
 
 
 def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2, trusted: frozenset[bytes] = frozenset(),
@@ -409,8 +418,9 @@ def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2, trusted: f
 
     ``vouches`` maps a peer's public key to the digest in its live heartbeat; empty digests are
     ignored. Ties go to the smallest digest, so every joiner picks the same one; with
-    ``tie_by_key``, to the digest that the smallest key vouches for (the same winner among the
-    same peers whichever rounds their digests are compared at). None unless at
+    ``tie_by_key``, to the digest that the run's creator (``trusted``) vouches for, then to the one
+    the smallest key vouches for (``tie_rank``: the same winner among the same peers whichever
+    rounds their digests are compared at). None unless at
     least ``min_vouchers`` peers vouch for the winner, or one of them is ``trusted`` (the run's
     creator): one peer's word alone, which any key can give, never picks a state."""
     by_digest: dict[bytes, list[bytes]] = {}
@@ -419,7 +429,7 @@ def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2, trusted: f
             by_digest.setdefault(bytes(d), []).append(bytes(key))
     if not by_digest:
         return None
-    best = min(by_digest, key=lambda d: (-len(by_digest[d]), min(by_digest[d]) if tie_by_key else d))
+    best = min(by_digest, key=lambda d: (-len(by_digest[d]), tie_rank(by_digest[d], trusted) if tie_by_key else d))
     vouchers = sorted(by_digest[best])
     if len(vouchers) < min_vouchers and not trusted.intersection(vouchers):
         return None

@@ -123,7 +123,8 @@ class CatchUpMixin:
         # our own way (our digest then is in _digests): in a fast swarm two peers rarely show the
         # same rounds at one moment
         take, agree, differ = repair_vote(self.identity.public_key, self._digests,
-                                          {k: (tuple(hb.rounds), hb.state_digest) for k, hb in peers.items()})
+                                          {k: (tuple(hb.rounds), hb.state_digest) for k, hb in peers.items()},
+                                          self._trusted)
         if len(agree) + len(differ) == 1:
             return  # nobody's heartbeat shows rounds we passed yet: compare at a later check
         # a tie that a peer on its way to the rounds we passed may break: any one key, a liar's

@@ -18,14 +18,16 @@ log = logging.getLogger("peer.node")  # one logger name for the whole node, also
 SETTLE_POLL_S = 0.5  # between reads of the finishing peers' heartbeats (_settle_final)
 
 
-def final_vote(done: dict[bytes, bytes], me: bytes, ours: bytes, taken: int = 0) -> tuple[bytes, list[bytes], bool]:
+def final_vote(done: dict[bytes, bytes], me: bytes, ours: bytes, taken: int = 0,
+               trusted: frozenset[bytes] = frozenset()) -> tuple[bytes, list[bytes], bool]:
     """Of the final copies of the peers finished at our rounds (``done``: key -> digest) and
-    ours, the one the most hold, a tie going to the smallest key's; its holders; and whether
+    ours, the one the most hold, a tie going to the run's creator's (``trusted``), then to the
+    smallest key's; its holders; and whether
     we should take it: it is not ours, and more peers hold it than held the copy we took last
     (``taken``; 0 before the first). A liar adds one holder to a copy, so it can move us at
     most once per finisher: to a copy an honest finisher holds, or, winning a tie with its
     smallest key, to its own (which it must then serve, and which must lie near ours)."""
-    best, holders = choose_digest({**done, me: ours}, min_vouchers=1, tie_by_key=True) or (ours, [me])
+    best, holders = choose_digest({**done, me: ours}, min_vouchers=1, trusted=trusted, tie_by_key=True) or (ours, [me])
     return best, holders, best != ours and len(holders) > taken
 
 
@@ -127,7 +129,7 @@ class SettleMixin:
             # back empty rather than fail) is no view of the others either: it concludes nothing
             ours = (read or {}).get(me)
             seen_us = ours is not None and ours.state == "finished" and ours.state_digest == self.state_digest
-            best, holders, take = final_vote(done, me, self.state_digest, taken)
+            best, holders, take = final_vote(done, me, self.state_digest, taken, self._trusted)
             if target != (best, len(holders)):
                 target, tries = (best, len(holders)), 0
             # a tie is not taken while partners of our last rounds are on their way, until the

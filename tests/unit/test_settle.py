@@ -89,6 +89,7 @@ class Finisher(SettleMixin):
         self.stop_event = threading.Event()
         self.state_server = SimpleNamespace(serving=False)
         self._partners: dict[bytes, float] = {}
+        self._trusted: frozenset[bytes] = frozenset()  # the run's creator is none of these peers
         self.matchmaker = SimpleNamespace(distrusted=Distrust())
         self.presence = SimpleNamespace(peers=lambda run_id, ttl: None)
         self.net = SimpleNamespace(call=self._read)

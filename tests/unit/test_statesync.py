@@ -225,6 +225,21 @@ def test_a_repair_counts_each_peer_at_the_rounds_it_shows_and_breaks_ties_by_the
     assert repair_vote(A, mine, {B: ((9, 9), X), C: ((3, 3), b"")}) == (False, [A], [])  # nothing to compare
 
 
+def test_a_tie_goes_to_the_run_creators_copy_first_then_to_the_smallest_key():
+    """The run's creator's word on the state is enough alone everywhere: in a tie its copy wins,
+    on both sides alike (by key alone, a joiner whose first sync after its download was alone,
+    with the smaller key, replaced the host's model in a swarm of two). Without the creator in
+    the tie, the smallest key's side, as before."""
+    host = frozenset({B})
+    assert repair_vote(A, {(3, 3): X}, {B: ((3, 3), Y)}, host)[0] is True  # A (smaller key) takes the host's
+    assert repair_vote(B, {(3, 3): Y}, {A: ((3, 3), X)}, host)[0] is False  # the host keeps its own
+    assert repair_vote(A, {(3, 3): X}, {B: ((3, 3), Y)}, frozenset({C}))[0] is False  # the creator is elsewhere
+    assert repair_vote(C, {(3, 3): X}, {A: ((3, 3), Y), B: ((3, 3), Y)}, frozenset({C}))[0] is True  # 2-1 wins over it
+    assert choose_digest({A: X, B: Y}, 1, trusted=host, tie_by_key=True) == (Y, [B])
+    assert choose_digest({A: X, B: Y, C: Y, D: X}, 1, trusted=host, tie_by_key=True) == (Y, [B, C])
+    assert choose_digest({A: X, B: Y, C: X}, 1, trusted=host, tie_by_key=True) == (X, [A, C])  # the most first
+
+
 def test_apply_keeping_progress_moves_what_was_trained_onto_the_new_copy_and_keeps_the_step():
     w = trained_worker(0)
     with torch.no_grad():
