@@ -182,8 +182,8 @@ def mean_consistent(norm: float, error: float, terms: Sequence[tuple[float, floa
 
     whose size is at most ``norm * error``. Each term is (share, lowest and highest scale,
     ``<m, x_i>`` or None when nobody we believe said it, a bound on its norm: ``|dot| <= norm x
-    that``); the
-    reducer's own slice is such a term too (with no dot, unless its witnesses vouched).
+    that``); the reducer's own slice is such a term too (with no dot, unless its witnesses
+    vouched).
 
     Without the gate (``lift`` 1) every factor is its share. Under the direction gate the gated
     contributions' factors are 0 and the kept ones' ``weight / kept weight``, with at most
