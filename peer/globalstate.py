@@ -417,10 +417,10 @@ def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2, trusted: f
     """The state digest most peers vouch for, and its vouchers (public keys, sorted).
 
     ``vouches`` maps a peer's public key to the digest in its live heartbeat; empty digests are
-    ignored. Ties go to the smallest digest, so every joiner picks the same one; with
-    ``tie_by_key``, to the digest that the run's creator (``trusted``) vouches for, then to the one
-    the smallest key vouches for (``tie_rank``: the same winner among the same peers whichever
-    rounds their digests are compared at). None unless at
+    ignored. Ties go to the digest the run's creator (``trusted``) vouches for, then to the
+    smallest digest, so every joiner picks the same one; with ``tie_by_key``, to the creator's,
+    then to the one the smallest key vouches for (``tie_rank``: the same winner among the same
+    peers whichever rounds their digests are compared at). None unless at
     least ``min_vouchers`` peers vouch for the winner, or one of them is ``trusted`` (the run's
     creator): one peer's word alone, which any key can give, never picks a state."""
     by_digest: dict[bytes, list[bytes]] = {}
@@ -429,7 +429,8 @@ def choose_digest(vouches: dict[bytes, bytes], min_vouchers: int = 2, trusted: f
             by_digest.setdefault(bytes(d), []).append(bytes(key))
     if not by_digest:
         return None
-    best = min(by_digest, key=lambda d: (-len(by_digest[d]), tie_rank(by_digest[d], trusted) if tie_by_key else d))
+    best = min(by_digest, key=lambda d: (-len(by_digest[d]), tie_rank(by_digest[d], trusted) if tie_by_key
+                                         else (not trusted.intersection(by_digest[d]), d)))
     vouchers = sorted(by_digest[best])
     if len(vouchers) < min_vouchers and not trusted.intersection(vouchers):
         return None

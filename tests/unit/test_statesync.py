@@ -238,6 +238,7 @@ def test_a_tie_goes_to_the_run_creators_copy_first_then_to_the_smallest_key():
     assert choose_digest({A: X, B: Y}, 1, trusted=host, tie_by_key=True) == (Y, [B])
     assert choose_digest({A: X, B: Y, C: Y, D: X}, 1, trusted=host, tie_by_key=True) == (Y, [B, C])
     assert choose_digest({A: X, B: Y, C: X}, 1, trusted=host, tie_by_key=True) == (X, [A, C])  # the most first
+    assert choose_digest({A: Y, B: X, C: Y, D: X}, 2, trusted=frozenset({C})) == (Y, [A, C])  # a joiner's, by digest X
 
 
 def test_apply_keeping_progress_moves_what_was_trained_onto_the_new_copy_and_keeps_the_step():
