@@ -164,12 +164,12 @@ def _check(means: list[Verified], input_frames: Sequence[bytes], run_id: bytes,
             return UNPROVEN, reducer, (f"over {GATE_CHOICES} outcomes of the direction gate within its rounding "
                                        "(pushes placed on its line): the mean is not checked")
         ranked, lower = _ranked(choices, g, scales, shares, norms, codec, mean_chunks)
-    best = math.inf
+    best, bound_only = math.inf, False
     for far, gated in ranked:  # each gate decision an honest reducer may have taken, nearest first
         ws = [shares[i] * f for i, f in enumerate(gated_factors(scales, shares, gated))]
         scale_sum = math.fsum(w * n for w, n in zip(ws, norms))
         if lower is not None and (off := lower(far, scale_sum)) > TOLERANCE * scale_sum + 1e-30:
-            best = min(best, off)  # it cannot pass (``_ranked``): no need to recompute it
+            best, bound_only = min((best, bound_only), (off, True))  # it cannot pass (``_ranked``): not recomputed
             continue
         acc = torch.zeros(end - start, dtype=torch.float32)
         for x, w in zip(values, ws):
@@ -177,9 +177,10 @@ def _check(means: list[Verified], input_frames: Sequence[bytes], run_id: bytes,
         off = _beyond_rounding(codec, mean_chunks, start, acc)
         if off <= TOLERANCE * scale_sum + 1e-30:
             return OK, reducer, f"within {off:.3g}"
-        best = min(best, off)
+        best, bound_only = min((best, bound_only), (off, False))
     return WRONG, reducer, (f"SliceAveraged: a mean of part {head.part} (round {head.round}, fragment "
-                            f"{head.fragment}) {best:.3g} away from the one its committed inputs give")
+                            f"{head.fragment}) {'at least ' if bound_only else ''}{best:.3g} away from the one its "
+                            "committed inputs give")
 
 
 BLOCK = 1 << 20
@@ -203,7 +204,8 @@ def _ranked(choices: Iterable[frozenset[int]], g: torch.Tensor, scales: Sequence
     the float32 recomputation less the norm of the elements' bounds (a triangle inequality per
     element), and the recomputation lies within a float rounding of the exact set's mean. The
     Gram matrix's float64 sums over the part are off by at most about 1e-8 of its terms'
-    scale; ``lower`` takes 1e-3 of the scale, and half of what is left, so a set is skipped
+    scale, so the distance by about 1e-4 of it (a square root); ``lower`` takes 1e-3 of the
+    scale off, and half of what is left, so a set is skipped
     only when its distance is twice what could still pass. A codec whose encoder clamps
     (``max_value``) can bring a far value within reach: no skipping there."""
     n = len(norms)

@@ -190,8 +190,9 @@ def mean_consistent(norm: float, error: float, terms: Sequence[tuple[float, floa
     ``GATE_MOST`` of the weight out; every such choice lies in the polytope ``0 <= f_i <= lift x
     share_i``, ``sum f_i = 1`` (``lift`` = 1 / (1 - GATE_MOST)), and the sum's range over it is a
     fractional knapsack: the lowest values per unit of factor first for its low end, the highest
-    for its high end. A mean shrunk toward 0, one term alone, or a mean pointing elsewhere than
-    its terms' sum fits no such choice. False when no factors and scales in their ranges make
+    for its high end. A mean shrunk toward 0 or one term alone fits only as far as the terms
+    nobody vouched for can make up the difference (in groups of 3-4 they often can:
+    ``bench/witness.py --gate``). False when no factors and scales in their ranges make
     the two sides meet: a mean its inputs cannot give (negated, another vector, scaled up or
     down), caught inside the round from one number per member."""
     if not math.isfinite(error) or any(not math.isfinite(t[4]) for t in terms):
@@ -335,8 +336,8 @@ GATE_MOST = 1.0 / 3.0
 of three equal members, give or take ``GATE_SLACK``). The kept terms' shares grow by at most
 1 / (1 - this), and the screen must allow them that room (``screen_mean``): at a half (x2) a
 negated mean passed the screen with two witnesses in 36 of 36 groups of 3 (cosine 0.3) and 10
-of 48 of 4; at a third (x1.5), 1 of 36 and 0 of 48 (without the gate, 0 and 0:
-``bench/witness.py --clip 1 [--gate]``)."""
+of 48 of 4; at a third (x1.5), with the factors summing to 1 (``mean_consistent``), in none
+(without the gate, none: ``bench/witness.py --clip 1 [--gate]``)."""
 GATE_SLACK = 1e-9
 """How far over ``GATE_MOST`` (relative to the part's weight) the gated weight may be: the
 reducer's and an auditor's sums of the same shares differ by a rounding, and one of three
