@@ -90,7 +90,7 @@ class ScreenMixin:
                 else math.inf
             said_by = [(self.group.weights[i], norms[i][j] if i in norms else None, said[i]) for i in others]
             if not screen_mean(slice_norm(self.result[s:e]), error, self.clip, self.group.weights[j], said_by,
-                               reporters=others, vouched=self.vouched(j), gate=self.gate):
+                               reporters=others, vouched=self.vouched(j), gate=self.gate, numel=e - s):
                 log.warning("reduced part its contributions cannot give (by their reported dots) part=%d reducer=%s "
                             "group=%s: falling back on it", j, self.peer_ids[j], self.group.group_id.hex())
                 out.append(j)

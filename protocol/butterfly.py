@@ -223,7 +223,7 @@ def mean_consistent(norm: float, error: float, terms: Sequence[tuple[float, floa
 def screen_mean(norm: float, error: float, clip: float, reducer_weight: float,
                 others: Sequence[tuple[float, float | None, float | None]],
                 reporters: Sequence[int] | None = None, vouched: Sequence[tuple[int, float, float]] = (),
-                gate: bool = False) -> bool:
+                gate: bool = False, numel: int = 0) -> bool:
     """``mean_consistent`` for a part whose reducer has weight ``reducer_weight`` and whose
     other contributors reported ``others``: (weight, norm of its push as decoded or None, its
     dot with the mean or None), ``reporters`` saying which member reported each (default:
@@ -248,7 +248,12 @@ def screen_mean(norm: float, error: float, clip: float, reducer_weight: float,
     may count for nothing and the kept ones' shares grow by up to 1 / (1 - ``GATE_MOST``), while
     the factors still sum to 1 (the mean is over the weight kept): ``mean_consistent``'s
     knapsack. A first version let each factor be anywhere from 0 to that alone, and a mean
-    shrunk x0.2, or the reducer's own slice alone, passed every screen."""
+    shrunk x0.2, or the reducer's own slice alone, passed every screen.
+
+    ``numel``: the part's length, for the reducer's float32 rounding below the normal range
+    (absolute, 2^-149 a step, where the relative room does not reach: an honest fp32 mean of
+    pushes that were all subnormal was refused)."""
+    error += 2.0 * (len(others) + 1) * 2.0 ** -149 * math.sqrt(numel)
     total = reducer_weight + math.fsum(w for w, _, _ in others)
     lift = 1.0 / (1.0 - GATE_MOST - GATE_SLACK) if gate and len(others) >= 2 else 1.0
     if not clip or not (others or vouched) or not (total > 0 and math.isfinite(total)):

@@ -73,7 +73,7 @@ def screen(mean, payload, pushes, weights, j: int, codec, clip: float, said=None
                for i in others}
     reports.update(lies or {})
     return screen_mean(slice_norm(mean), codec.error_bound(payload, mean.numel()), clip, weights[j],
-                       [reports[i] for i in others], gate=gate)
+                       [reports[i] for i in others], gate=gate, numel=mean.numel())
 
 
 @given(st.integers(0, 10_000), st.integers(2, 6), st.sampled_from([-0.1, 0.0, 0.3, 0.9]),
@@ -177,7 +177,7 @@ def witnessed_screen(mean, payload, slices, weights, j: int, codec, clip: float,
                 vouches[i] = vouch
     return screen_mean(slice_norm(mean), codec.error_bound(payload, mean.numel()), clip, weights[j],
                        [entries[i] for i in others], reporters=others,
-                       vouched=[(w, n, d) for w, (n, d) in sorted(vouches.items())], gate=gate)
+                       vouched=[(w, n, d) for w, (n, d) in sorted(vouches.items())], gate=gate, numel=mean.numel())
 
 
 @given(st.integers(0, 10_000), st.integers(3, 6), st.sampled_from([0.0, 0.5, 0.9]), st.sampled_from(CODEC_NAMES),
@@ -284,3 +284,17 @@ def test_a_reducer_that_counted_only_itself_must_return_its_vouched_own_slice():
         assert screen_mean(slice_norm(m), codec.error_bound(payload, N), 2.0, 1.0, [],
                            vouched=[(1, *vouch), (2, *vouch)]) is ok
         assert screen_mean(slice_norm(m), codec.error_bound(payload, N), 2.0, 1.0, [], vouched=[(1, *vouch)])
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_an_honest_fp32_mean_of_subnormal_pushes_passes(gate):
+    """Float32 rounding below the normal range is absolute (2^-149 a step): eight pushes of
+    6 x 2^-149 each, at a share of 1/8, round to a mean of 8 x 2^-149, a third off, which the
+    relative room did not allow (a review's repro: refused in every world, no liar at all)."""
+    vecs = [torch.full((N,), 6 * 2.0 ** -149) for _ in range(8)]
+    weights = [1.0] * 8
+    codec = get_codec("fp32")
+    for j in range(8):
+        payload, mean, pushes = reduce_part(vecs, weights, j, codec, 1.0, gate=gate)
+        assert screen(mean, payload, pushes, weights, j, codec, 1.0, gate=gate)
+        assert witnessed_screen(mean, payload, pushes, weights, j, codec, 1.0, gate=gate)
