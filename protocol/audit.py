@@ -154,7 +154,7 @@ def _check(means: list[Verified], input_frames: Sequence[bytes], run_id: bytes,
                                 f"{head.fragment}) over a weight of {head.weight:g}, from inputs weighing {total:g}")
     shares = [weights[k] / total for k in keys]
     if not gates(len(keys), clip, gate):
-        ranked: list[tuple[float, frozenset[int]]] = [(0.0, frozenset())]
+        ranked: list[tuple[float, list[float]]] = [(0.0, [s * c for s, c in zip(shares, scales)])]
         lower = None
     else:  # as protocol.gate.robust_factors
         mean = torch.cat([codec.decode(p, n) for _, n, p in mean_chunks])
@@ -165,8 +165,7 @@ def _check(means: list[Verified], input_frames: Sequence[bytes], run_id: bytes,
                                        "(pushes placed on its line): the mean is not checked")
         ranked, lower = _ranked(choices, g, scales, shares, norms, codec, mean_chunks)
     best, bound_only = math.inf, False
-    for far, gated in ranked:  # each gate decision an honest reducer may have taken, nearest first
-        ws = [shares[i] * f for i, f in enumerate(gated_factors(scales, shares, gated))]
+    for far, ws in ranked:  # each gate decision an honest reducer may have taken, nearest first
         scale_sum = math.fsum(w * n for w, n in zip(ws, norms))
         if lower is not None and (off := lower(far, scale_sum)) > TOLERANCE * scale_sum + 1e-30:
             best, bound_only = min((best, bound_only), (off, True))  # it cannot pass (``_ranked``): not recomputed
@@ -197,7 +196,7 @@ def _ranked(choices: Iterable[frozenset[int]], g: torch.Tensor, scales: Sequence
             norms: Sequence[float], codec: Any, mean_chunks: list[tuple[int, int, bytes]]):
     """The gate's possible sets, nearest first by the distance of the mean from each set's mean
     (from the Gram matrix ``g`` of the slices and the mean, last): an honest mean passes at
-    its first. -> ([(distance, set)], ``lower``: (distance, that set's scale sum) -> a lower
+    its first. -> ([(distance, each contribution's weight in that set's mean)], ``lower``: (distance, that set's scale sum) -> a lower
     bound of what ``_beyond_rounding`` would find for it, or None for a codec that clamps).
 
     The bound: the excess beyond the rounding is at least the distance of the decoded mean from
@@ -210,13 +209,14 @@ def _ranked(choices: Iterable[frozenset[int]], g: torch.Tensor, scales: Sequence
     (``max_value``) can bring a far value within reach: no skipping there."""
     n = len(norms)
     mean_sq, dots = float(g[n, n]), g[:n, n]
-    out = []
+    ranked = []
     for gated in choices:
-        c = torch.tensor([shares[i] * f for i, f in enumerate(gated_factors(scales, shares, gated))],
-                         dtype=torch.float64)
+        ws = [s * f for s, f in zip(shares, gated_factors(scales, shares, gated))]
+        c = torch.tensor(ws, dtype=torch.float64)
         far = math.sqrt(max(0.0, mean_sq - 2.0 * float(c @ dots) + float(c @ (g[:n, :n] @ c))))
-        out.append((far, gated))
-    out.sort(key=lambda t: (t[0], sorted(t[1])))
+        ranked.append((far, sorted(gated), ws))
+    ranked.sort(key=lambda t: (t[0], t[1]))
+    out = [(far, ws) for far, _, ws in ranked]
     if math.isfinite(getattr(codec, "max_value", math.inf)):
         return out, None
     rounding = math.sqrt(math.fsum(float(codec.element_bounds(p, k).square().sum()) for _, k, p in mean_chunks))
