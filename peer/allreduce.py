@@ -54,6 +54,15 @@ member keeps the parts of its finished rounds to answer a report that comes afte
 finished (the last four, and older ones for two agreement windows within a byte budget:
 ``peer.inbox.keep_recent``). ``AllReduceOutcome.agreed`` says whether this member saw the agreement complete.
 
+Screen (``peer.round_screen``). Before it lands, a member screens each other reducer's part by
+the norms and dots the members reported: a mean its contributions cannot give is refused. A
+refusal is not proof (a member's report to us alone may have lied), so a refused part is
+audited at once (``peer.audit.Audits.before_landing``, up to ``SCREEN_AUDIT_WAIT * D`` more):
+landed after all if its mean follows from the reducer's signed inputs, so one member's false
+report cannot make us land apart from the others; fallen back on, its reducer convicted, if
+not; a report that understated a push the audit shows convicts its sender
+(``protocol.evidence.false_norm``).
+
 Finals. A member that finishes sends every other member the parts it landed (a final
 ``PartsHeld``), and answers a report that comes after it finished with it. A member that
 started so late that the others landed before its part existed (it was starved, or busy
@@ -126,6 +135,7 @@ HANDLER_PREFIX = "swarmstream-avg-v8-"  # v2: acknowledged frames (peer.outbox);
 # slice, encoded, to two members; SliceAveraged.own, PartsHeld.witness)
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
 AGREE_GRACE = 1.0  # reports and forwarded parts by (1 + AGREE_GRACE) * deadline_s
+SCREEN_AUDIT_WAIT = 1.0  # x deadline_s: how long we wait, before landing, for the audits of parts the screen refused
 _RECENT_SPAN = 2  # finished rounds are kept this many agreement windows (2.5 D) for late reports (keep_recent)
 _FINISHED_MEMORY = 1024  # group IDs of finished rounds whose late frames we drop quietly
 
@@ -184,9 +194,8 @@ class AllReduceOutcome:
     over ``clip`` x the lower median of the contributions' norms (protocol.butterfly)."""
     refused: tuple[bytes, ...] = ()
     """Public keys of the reducers whose mean we refused as too large for its contributions
-    (``Round.implausible``): not proof, but every member of the group saw the same. (A mean
-    the screen refused, ``Round.inconsistent``, is audited instead: two colluding members can
-    make an honest one fail it.)"""
+    (``Round.implausible``) and whose audit before we landed did not clear it (no answer in
+    time: a wrong mean is proof, in ``offences`` once the audit's verdict is in)."""
     offences: tuple[tuple[bytes, str, bytes | tuple[bytes, bytes]], ...] = ()
     """Proven lies seen in this round: (signer's public key, what is wrong, the signed frame,
     or the two frames of an equivocation), one per signer (``protocol.evidence``);
@@ -290,7 +299,8 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
                         stopping: bool = False) -> AllReduceOutcome:
         """Average ``vector`` (numel,) with the group's other members; see the module docstring.
         Never waits more than ``2.5 * group.deadline_s`` (plus the local encode/decode), and
-        that long only when a member that took part never reports. ``stopping``: we pause, stop
+        that long only when a member that took part never reports; plus up to
+        ``SCREEN_AUDIT_WAIT * group.deadline_s`` when the screen refused a part (its audit). ``stopping``: we pause, stop
         or catch up by a download, so we started before our landing step (``PushSlice.stopping``)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -396,6 +406,9 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
+        screened = [j for refused in rnd.screen() for j in refused]
+        if screened:  # audited before we land: a false report to us alone may be why (Audits.before_landing)
+            await self.audits.before_landing(rnd, screened, SCREEN_AUDIT_WAIT * group.deadline_s)
         landing = rnd.land()
         rnd.undelivered = rnd.forwards_undelivered()  # (its sends are done or cancelled by now)
         fallback, implausible, conformed = landing.fallback, landing.implausible, landing.conformed
@@ -419,7 +432,7 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         self.audits.spread(rnd)
         result, rnd.result = rnd.result, rnd.result.new_empty(0)  # a finished round kept a while needs its frames
         rnd.said_agreed = (rnd.settled() and not landing.disputed and not rnd.apart() and self._finals_in(rnd, conformed)
-                           and not rnd.undelivered)
+                           and not rnd.undelivered and not rnd.unsure)
         return AllReduceOutcome(result, tuple(sorted(rnd.dropped)), fallback, sent[0], rnd.bytes_received,
                                 time.perf_counter() - started, landing.partial, tuple(sorted(rnd.repaired)),
                                 rnd.said_agreed,

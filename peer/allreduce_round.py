@@ -189,6 +189,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin, ReduceMixin)
         self.said_agreed = False  # what our outcome said (a final that comes after it may belie it)
         self.told: set[int] = set()  # members we sent our final report
         self.report_norms: dict[int, tuple[float, ...]] = {}  # member -> its slices' norms, as it reported them
+        self.report_frames: dict[int, bytes] = {}  # member -> its report as signed (peer.audit: a false norm)
         # part -> when two members other than its reducer had reported it held with one digest (one
         # member's report alone could make an honest reducer on its way look late: conform)
         self.held_since: dict[int, float] = {}
@@ -214,6 +215,13 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin, ReduceMixin)
         self.undelivered = 0  # how many of them (set as the round ends)
         self.agree_deadline = 0.0  # event-loop time
         self.changed = asyncio.Event()
+        self.screened: tuple[list[int], list[int]] | None = None  # what the screens refused (``screen``)
+        self.cleared: set[int] = set()
+        """Parts the screen refused whose audit before we landed showed that the mean follows from
+        its reducer's inputs (``peer.audit.Audits.before_landing``): landed after all."""
+        self.audited: set[int] = set()  # parts audited before we landed (not again after the round)
+        self.unsure = False  # a refused part's audit had no verdict as we landed: another member may land it
+        self.proven: set[int] = set()  # members our audits proved liars before we landed: their finals count for nothing
 
     def size(self, j: int) -> int:
         s, e = self.bounds[j]
@@ -340,12 +348,11 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin, ReduceMixin)
         fall back on, which are a part nobody forwarded to us nor holds (its reducer failed
         every member alike); one whose reducer we proved sent different means (every member
         that holds the proof, unless it ``kept`` the part); one far larger than its contributions allow, or refused by the
-        screen (every member, from the same frames and reports: the screen's refusal is not
-        proof, two members may have lied in their reports, so the part's audit convicts); or a
+        screen (``screen``), unless its audit before we landed passed (``cleared``: the
+        refusal is not proof, a member's report to us alone may have lied); or a
         late reducer's part that the members which finished first landed without. Sets
         ``landed``, our final report."""
-        implausible = self.implausible()
-        inconsistent = [j for j in self.inconsistent() if j not in implausible]
+        implausible, inconsistent = ([j for j in refused if j not in self.cleared] for refused in self.screen())
         conformed = self.conform()
         fallback = tuple(j for j in range(self.n) if self.size(j) and (
             not self.holds(j) or self.thrown_out(j) or j in implausible or j in inconsistent or j in conformed))

@@ -39,11 +39,11 @@ import msgpack
 
 from peer.bans import MAX_EVIDENCE_FRAMES
 from peer.distrust import Distrust
-from protocol.audit import NOT_COMMITTED, UNPROVEN, WRONG, check
+from protocol.audit import NOT_COMMITTED, OK, UNPROVEN, WRONG, check
 from protocol.butterfly import HEAD_ROOM, on_grid
 from protocol.envelope import Verified, seal_parts, verify
 from protocol.errors import RemoteProtocolError
-from protocol.evidence import proves
+from protocol.evidence import false_norm, proves
 from protocol.identity import peer_id_from_public_key
 from protocol.messages_swarm import AuditRequest, Evidence, PushSlice
 
@@ -85,6 +85,7 @@ class _Open:
         # bytes we take: each contributor's slice, on the round's grid of chunks, each in a frame
         self.budget = self.contributors * (4 * self.size + HEAD_ROOM * -(-self.size // self.chunk))
         self.frames: list[bytes] = []
+        self.signed: dict[bytes, list[bytes]] = {}  # signer -> its frames of the answer
         self.covered: Counter[bytes] = Counter()  # signer -> elements
         self.seen: set[tuple[bytes, int]] = set()  # (signer, offset) taken
         self.done = asyncio.Event()
@@ -101,6 +102,7 @@ class _Open:
         self.seen.add(where)
         self.budget -= len(data)
         self.frames.append(bytes(data))
+        self.signed.setdefault(bytes(v.signer), []).append(self.frames[-1])
         self.covered[v.signer] += msg.numel  # type: ignore[attr-defined]
         if len(self.covered) >= self.contributors and all(c >= self.size for c in self.covered.values()):
             self.done.set()
@@ -144,17 +146,45 @@ class Audits:
         ``rate``, and every ``suspect`` one (its mean did not fit its contributors' reports, so
         we fell back on it; an audit proves the lie against its reducer), whatever the rate."""
         for j in range(rnd.n):
-            if j == rnd.me or not rnd.size(j) or not rnd.holds(j) or j in rnd.convicted:
+            if j == rnd.me or not rnd.size(j) or not rnd.holds(j) or j in rnd.convicted or j in rnd.audited:
                 continue
             if j not in suspect and (j in fallback or self.rate <= 0 or self._random.random() >= self.rate):
                 continue
             _side_task(self.averager, self._audit(rnd, j))
 
-    async def _audit(self, rnd: Round, j: int) -> None:
+    async def before_landing(self, rnd: Round, parts: list[int], wait: float) -> None:
+        """Parts the screen refused (``Round.screen``), audited now, whatever the rate, before we
+        land: a member's false report to us alone (a tiny norm of its push, told to one member
+        of three) makes an honest mean fail our screen while the others land it. We wait up to
+        ``wait`` seconds for the verdicts: a part whose mean follows from its reducer's inputs
+        is landed after all (``Round.cleared``), so we land what the others do; a wrong one
+        falls back, its reducer convicted and the proof handed to the group (as after a round);
+        one without a verdict by then falls back and makes the round unsure (not agreed:
+        another member may land it), and its audit goes on. A member proven a liar (the
+        reducer, or a contributor whose report understated its push) is ``Round.proven``: its
+        final, which says it landed its wrong mean, counts for nothing. A lying reducer gains nothing: a
+        mean that passes an audit is one its inputs give."""
+        tasks = {j: _side_task(self.averager, self._audit(rnd, j)) for j in parts
+                 if j != rnd.me and rnd.size(j) and rnd.holds(j) and j not in rnd.convicted}
+        rnd.audited.update(tasks)
+        if not tasks:
+            return
+        done, _ = await asyncio.wait(tasks.values(), timeout=wait)
+        rnd.proven.update(i for i, key in enumerate(rnd.group.members) if bytes(key) in self._convicted)
+        for j, task in tasks.items():
+            verdict = task.result() if task in done and not task.cancelled() and task.exception() is None else None
+            if verdict == OK:
+                rnd.cleared.add(j)
+            elif verdict is None:
+                rnd.unsure = True
+
+    async def _audit(self, rnd: Round, j: int) -> str | None:
+        """Audit part j of ``rnd`` (see the module docstring). -> the verdict; None if one of
+        it is under way already."""
         g, av = rnd.group, self.averager
         key = (bytes(g.group_id), j)
         if key in self._open:
-            return
+            return None
         pending = self._open[key] = _Open(rnd, j)
         mean_frames = [b"".join(bytes(x) for x in f) for f in rnd.frames[j]]
         request = AuditRequest(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id, part=j)
@@ -170,6 +200,7 @@ class Audits:
             del self._open[key]
             self._closed.append((bytes(g.group_id), j, pending.reducer))
         verdict, reducer, why = await asyncio.to_thread(check, mean_frames, pending.frames, g.run_id, self.clip, self.gate)
+        await self._false_norms(rnd, pending)
         self.counts[verdict] += 1
         suspended, lied = 0, False
         if verdict == UNPROVEN and self.distrust is not None:
@@ -194,6 +225,25 @@ class Audits:
                 self.suspended.append((bytes(g.members[j]), suspended))
         else:
             log.info("audit passed part=%d reducer=%s group=%s %s", j, pending.reducer, g.group_id.hex(), why)
+        return verdict
+
+    async def _false_norms(self, rnd: Round, pending: _Open) -> None:
+        """The contributors' signed pushes the reducer showed us, against the norms their reports
+        to us gave of them (``protocol.evidence.false_norm``): a report that made a push look
+        smaller than it was (a tiny norm told to us alone makes our screen refuse an honest
+        mean) is proof; its sender is convicted, and the proof goes to the group."""
+        for i, report in sorted(rnd.report_frames.items()):
+            key = bytes(rnd.group.members[i])
+            pushes = pending.signed.get(key)
+            if not pushes or key in self._convicted:
+                continue
+            proof = (report, *pushes)
+            proven = await asyncio.to_thread(false_norm, proof, rnd.group.run_id)
+            if proven is not None:
+                log.warning("audit: a member's report understated its push peer=%s group=%s: %s", rnd.peer_ids[i],
+                            rnd.group.group_id.hex(), proven[1])
+                self._convict(key, proven[1], proof)
+                self._share(rnd, i, proof)
 
     def _convict(self, key: bytes, why: str, proof: tuple[bytes, ...]) -> None:
         self._convicted.add(bytes(key))

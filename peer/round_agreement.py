@@ -197,11 +197,12 @@ class AgreementMixin:
         return [i for i, f in self.finals.items() if self._believed(i) and f != self.landed]
 
     def _believed(self, i: int) -> bool:
-        """Whether member i's final counts: not banned, nor dropped from this round for a frame
+        """Whether member i's final counts: not banned (nor proven a liar by our audits before
+        we landed: ``Round.proven``), nor dropped from this round for a frame
         that failed a check (a lie; lateness, or a send of ours that failed, is none: a member
         we could not reach was not believed, so one that landed apart from us and told us so
         went unheard: a review's repro)."""
-        return self.peer_ids[i] not in self.banned and self.dropped.get(i, "late").startswith(
+        return self.peer_ids[i] not in self.banned and i not in self.proven and self.dropped.get(i, "late").startswith(
             LATE + ("late", "unreachable"))
 
     def proof_wanted(self) -> list[tuple[int, int]]:

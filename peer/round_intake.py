@@ -46,7 +46,8 @@ class IntakeMixin:
         self.heard.add(i)  # it is in this round (peer.quiet)
         msg = v.message
         if isinstance(msg, PartsHeld):  # also from a member we dropped: it may need our parts
-            self._accept_report(i, msg)
+            if self._accept_report(i, msg):
+                self.report_frames[i] = bytes(data)  # as signed: proof, if an audit shows it lied (peer.audit)
             return
         late = self.dropped.get(i, "").startswith(LATE)
         if isinstance(msg, PushSlice) and late and self.valid_late_push(i, msg):
@@ -197,11 +198,12 @@ class IntakeMixin:
         self.repaired.add(j)
         log.info("reduced part repaired part=%d from=%s group=%s", j, self.peer_ids[f], self.group.group_id.hex())
 
-    def _accept_report(self, i: int, msg: PartsHeld) -> None:
+    def _accept_report(self, i: int, msg: PartsHeld) -> bool:
+        """-> True if ``msg`` is member i's report (not a final), taken now."""
         if len(msg.digests) != self.n:
             log.warning("rejected report reason=%d_parts_for_%d_members peer=%s", len(msg.digests), self.n,
                         self.peer_ids[i])
-            return
+            return False
         digests = tuple(bytes(d) for d in msg.digests)
         if msg.final:
             if i not in self.finals:
@@ -210,9 +212,9 @@ class IntakeMixin:
                     log.warning("a member landed other parts than we did peer=%s group=%s", self.peer_ids[i],
                                 self.group.group_id.hex())
                 self.changed.set()
-            return
+            return False
         if i in self.reports:
-            return  # one report per member and round
+            return False  # one report per member and round
         self.reports[i] = digests
         if len(msg.norms) == self.n:  # else it told us nothing about its slices: it bounds no part
             self.report_norms[i] = tuple(msg.norms)
@@ -226,6 +228,7 @@ class IntakeMixin:
                 if len(holders) >= 2:
                     self.held_since.setdefault(j, time.monotonic())  # the event loop's clock
         self.changed.set()
+        return True
 
     def _check_slice(self, msg: PushSlice | SliceAveraged, part: int, covered: int) -> None:
         g = self.group

@@ -1,7 +1,9 @@
 """The screen of one member's round (``peer.allreduce_round.Round``): reduced parts whose mean
 its contributions cannot give, by the norms and dots the members reported
 (``protocol.butterfly``: ``mean_norm_bound``, ``screen_mean``), and what our own report says
-of our pushes. Every member holding the same frames and reports decides alike."""
+of our pushes. Every member holding the same frames and reports decides alike; a member
+that a liar told other reports than the rest may refuse a part they land, so a refused part is
+audited before we land it or fall back (``peer.audit.Audits.before_landing``)."""
 
 from __future__ import annotations
 
@@ -19,16 +21,29 @@ class ScreenMixin:
     """``Round``'s screen. Reads the parts we hold, the reports' norms and dots, and the
     codec's error bound of each mean (``mean_errors``)."""
 
+    def screen(self) -> tuple[list[int], list[int]]:
+        """(``implausible``, ``inconsistent`` and not implausible): the parts of other reducers
+        that the screens refuse, judged once, when the agreement is over (a report that comes
+        later, while we audit them, changes nothing). Our own part is never screened: we
+        computed its mean, so it is honest whatever a report says of it, and a member's false
+        report to us alone would otherwise make us fall back on the mean the others land."""
+        if self.screened is None:
+            implausible = self.implausible()
+            self.screened = (implausible, [j for j in self.inconsistent() if j not in implausible])
+        return self.screened
+
     def implausible(self) -> list[int]:
         """Parts we hold whose mean is larger than its contributors' reported norms allow
         (``protocol.butterfly.mean_norm_bound``): a reducer that scaled its mean up, or sent
-        another, by much. Every member that holds the same frames and reports decides alike,
-        and falls back on the part (a lie we cannot prove: the pushes are not ours to show,
-        so no one is banned for it)."""
+        another, by much. Every member that holds the same frames and reports decides alike.
+        A refusal is not proof (a contributor's report may understate its push: to us alone,
+        in a group of three, it makes an honest mean look too large), so the part is audited
+        before we land (``screen``); without a verdict in time we fall back on it and stop
+        grouping with its reducer (``AllReduceOutcome.refused``)."""
         norms = {**self.report_norms, self.me: self.norms}
         out = []
         for j in range(self.n):
-            if not self.holds(j) or self.thrown_out(j):
+            if j == self.me or not self.holds(j) or self.thrown_out(j):
                 continue
             others = [i for i in self.contributors[j] if i != j] or [i for i in range(self.n) if i != j]
             bound = mean_norm_bound([norms[i][j] for i in others if i in norms], self.clip)
@@ -66,20 +81,21 @@ class ScreenMixin:
         """Parts we hold whose mean its contributions cannot give, by the members' reported
         norms and dots (``protocol.butterfly.mean_consistent``): negated, another vector, or
         scaled up beyond what the reducer's own slice allows. Every member that holds the same
-        frames and reports decides alike and falls back on the part; the part is audited
-        (``peer.audit``), which proves a wrong mean against its reducer (and bans it). One
+        frames and reports decides alike; the part is audited before we land (``screen``):
+        landed after all if the audit passes, fallen back on if not (a wrong mean proves the
+        lie against its reducer, and bans it). One
         member's false report (a dot, a norm) cannot make an honest part fail: the screen
         refuses a mean only if it fits no world with one liar (``screen_mean``). Where the
         part's witnesses vouched for the reducer's own slice (``peer.round_witness``), its term
         is reported like the others' rather than its word: a negated mean, or another part's, no
         longer hides in it, in groups of 3-5 too (``bench/witness.py``). Two colluding
         members can, so a refusal alone proves nothing: it distrusts and bans nobody (the audit
-        decides), and costs that part's update for the round."""
+        decides)."""
         norms = {**self.report_norms, self.me: tuple(self.norms)}
         dots = {**self.report_dots, self.me: self.dots}
         out = []
         for j in range(self.n):
-            if not self.holds(j) or self.thrown_out(j):
+            if j == self.me or not self.holds(j) or self.thrown_out(j):
                 continue
             others = [i for i in self.contributors[j] if i != j]
             # a contributor that did not report (or reported no norms) may be anything up to the clip

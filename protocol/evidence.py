@@ -21,21 +21,36 @@ reducer sends that chunk, signed, to its witnesses (``protocol.butterfly.witness
 ``PushSlice`` of its own part. An honest reducer chunks both alike and sends each witness the
 chunk it committed to; an own chunk over elements of a mean chunk that names another digest,
 or cut at other offsets, proves that it told its witnesses one slice and averaged (or claimed)
-another. ``proves`` checks any evidence: one frame or two (or an audit's frames).
+another.
+
+A false norm (``false_norm``): a member's report (``PartsHeld``) says how large its slice of each
+part was, and the screens of the others bound a part's mean by those norms. A report that
+says a push was smaller than the pushes it signed for that part show (their decoded norm,
+less the codec's rounding of the raw slice, since the norm of its own part is of the raw
+values) makes an honest mean look too large to one member: proof of a lie, found when an
+audit fetches the signed pushes. ``proves`` checks any evidence: one frame or two (or an
+audit's frames, or a report and pushes).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+import torch
 
 from protocol.audit import wrong_mean
 from protocol.codecs import get_codec
 from protocol.envelope import Verified, verify
 from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.messages import MAX_FRAME_BYTES
-from protocol.messages_swarm import PushSlice, SliceAveraged
+from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
-__all__ = ["equivocation", "offence", "own_contradiction", "proves"]
+__all__ = ["NORM_ROOM", "equivocation", "false_norm", "offence", "own_contradiction", "proves"]
+
+NORM_ROOM = 1e-6
+"""Relative room ``false_norm`` allows a reported norm for the float64 sums' order (an honest
+report's norm and a checker's differ by ~1e-15 relative)."""
 
 
 def offence(frame: bytes, run_id: bytes) -> tuple[bytes, str] | None:
@@ -91,14 +106,56 @@ def own_contradiction(mean_frame: bytes, own_frame: bytes, run_id: bytes) -> tup
                          f"to its witness is not the one its mean commits to")
 
 
+def false_norm(frames: Sequence[bytes], run_id: bytes) -> tuple[bytes, str] | None:
+    """(the reporter's key, what it did) if ``frames[0]`` is a ``PartsHeld`` report (not a
+    final) of run ``run_id`` and the rest are ``PushSlice`` frames signed by the same key, of one
+    part of the same group, over disjoint elements, whose decoded norm less the codec's rounding
+    (``Codec.error_bound``: the norm of one's own part is of the raw values) is larger than the
+    report says that slice was. A subset of a push's chunks has at most the whole push's norm,
+    so an honest member's report is never contradicted by any of its pushes. None otherwise."""
+    try:
+        report = verify(frames[0], expect=(PartsHeld,), run_id=run_id, max_size=MAX_FRAME_BYTES)
+        pushes = [verify(f, expect=(PushSlice,), run_id=run_id, max_size=MAX_FRAME_BYTES) for f in frames[1:]]
+    except RemoteProtocolError:
+        return None
+    rep = report.message
+    assert isinstance(rep, PartsHeld)
+    msgs = sorted((v.message for v in pushes), key=lambda m: m.offset)  # type: ignore[attr-defined]
+    if rep.final or not msgs or any(v.signer != report.signer for v in pushes):
+        return None
+    part = msgs[0].part
+    if part >= len(rep.norms) or any((m.fragment, m.round, bytes(m.group_id), m.part)
+                                     != (rep.fragment, rep.round, bytes(rep.group_id), part) for m in msgs):
+        return None
+    if any(a.offset + a.numel > b.offset for a, b in zip(msgs, msgs[1:])):
+        return None  # overlapping chunks (two pushes of one chunk): not one push's norm
+    squares = errors = 0.0
+    try:
+        for m in msgs:
+            codec = get_codec(m.codec)
+            squares += float(torch.sum(codec.decode(m.payload, m.numel).double() ** 2))
+            errors += codec.error_bound(m.payload, m.numel) ** 2
+    except ProtocolError:
+        return None
+    shown = math.sqrt(squares) - math.sqrt(errors)
+    said = rep.norms[part]
+    if not math.isfinite(shown) or shown <= said * (1 + NORM_ROOM):
+        return None
+    return report.signer, (f"PartsHeld: reported the norm of its slice of part {part} (round {rep.round}, "
+                           f"fragment {rep.fragment}) as {said:.4g}; its signed push of it shows at least {shown:.4g}")
+
+
 def proves(frames: Sequence[bytes], run_id: bytes, clip: float = 0.0, gate: bool = False) -> tuple[bytes, str] | None:
-    """What ``frames`` prove, if anything: one frame through ``offence``, two through
-    ``equivocation`` (or, failing that, an audit), more through ``protocol.audit.wrong_mean``
+    """What ``frames`` prove, if anything: one frame through ``offence``, a report and pushes
+    through ``false_norm``, two through ``equivocation`` (or, failing that, an audit), more
+    through ``protocol.audit.wrong_mean``
     (a part's mean and the inputs its reducer showed; ``clip``, ``gate``: the run's sync.clip
     and sync.gate).
     -> (the liar's key, what it did) or None."""
     if len(frames) == 1:
         return offence(frames[0], run_id)
+    if len(frames) >= 2 and (proven := false_norm(frames, run_id)) is not None:
+        return proven
     if len(frames) == 2 and (proven := equivocation(frames[0], frames[1], run_id)) is not None:
         return proven
     if len(frames) == 2 and (proven := own_contradiction(frames[0], frames[1], run_id)) is not None:

@@ -32,8 +32,9 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
   averages its own rounds alone, at the others' pace (``make_ghost``);
 - ``misreport``: its report (``PartsHeld``) to one member says its pushes had norms 1000 times
   smaller, and the others get the true one: different words to different members. The member
-  lied to may screen out an honest reducer's mean that the others land (THREAT_MODEL.md, "Different
-  words to different members": found after the round by the finals, and repaired);
+  lied to may screen out an honest reducer's mean that the others land; it audits that part
+  before landing, lands it, and its audit's pushes prove the lie (THREAT_MODEL.md, "Different
+  words to different members"); so does any audit of a part the liar pushed to;
 - ``nolead``: with ``ghost``, writes no record of a group it leads (ranked first in its batch):
   its followers find none by their deadline and go on without it
   (``peer.matchmaking.Matchmaker._without_leader``).

@@ -680,7 +680,9 @@ def test_a_reducer_that_sends_everyone_one_inflated_mean_is_not_believed_by_anyo
     """Member 1 returns its reduced part x1000 (or x1e30: finite, validly encoded and signed)
     to every member alike, and holds it so itself: no two means to compare. Each member's
     report carries the norms of its own slices, so every member knows how large a mean of
-    part 1 can be, finds it far larger, and falls back on it; the other parts land alike."""
+    part 1 can be, finds it far larger, and audits it before landing: the liar shows its
+    inputs, which prove its mean wrong, so every honest member falls back on part 1 and bans
+    it; the liar's final (it landed its mean) counts for nothing; the other parts land alike."""
     peers = swarm(4)
     fields = group_fields(peers, [1.0, 2.0, 1.0, 3.0], "fp4", group_id=b"inflate".ljust(16, b"\0"), deadline_s=3.0)
     faults = {0: "honest", 1: f"inflate:{factor:g}", 2: "honest", 3: "honest"}
@@ -692,7 +694,8 @@ def test_a_reducer_that_sends_everyone_one_inflated_mean_is_not_believed_by_anyo
     for kind, avg, dropped, fallback, _, _, lines, more in honest:
         assert kind == "done" and fallback == (1,) and not dropped, (dropped, fallback, lines)
         assert any("reduced part too large" in ln for ln in lines), lines
-        assert more["agreed"] and not more["offences"]  # one mean for all: nothing to prove, nobody banned
+        assert any("audit: reducer signed a wrong mean part=1" in ln for ln in lines), lines
+        assert more["agreed"] and not more["offences"]  # one mean for all: no frame fails a check alone
         values = as_tensor(avg)
         assert torch.isfinite(values).all()
         for j in (0, 2, 3):  # the other parts: the same bytes on every honest member

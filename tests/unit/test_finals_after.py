@@ -11,8 +11,9 @@ import torch
 
 from peer.node.faults import make_liar, parse_lies
 from protocol.envelope import seal
+from protocol.evidence import proves
 from protocol.messages_swarm import PartsHeld, PushSlice
-from tests.unit.inprocess_group import InProcessGroup
+from tests.unit.inprocess_group import RUN, InProcessGroup
 
 A, B, L = 0, 1, 2  # two honest members and a liar
 
@@ -25,30 +26,60 @@ def apart_unnoticed(g: InProcessGroup, outs: dict, honest: list[int]) -> list[in
     return [i for i in honest if apart and outs[i].agreed and not g.averagers[i].apart]
 
 
-def test_a_member_that_said_agreed_learns_from_a_later_final_that_it_landed_apart():
-    """The liar reports one member a tiny norm of its push to A's part, the other the true one:
-    B's screen refuses A's honest mean of that part and falls back on it, A lands it, and A
-    said agreed (a review's repro: the screens' inputs are the reports each member got). B's
-    final now reaches A's finished round, which queues the round for the node's repair."""
+def _tiny_norm_to_b(g: InProcessGroup):
+    """A policy: the liar's report to B says its push to A's part had a tiny norm (the truth to A)."""
+    async def policy(src, dst, data, v):
+        m = v.message
+        if src == L and dst == B and isinstance(m, PartsHeld) and not m.final:
+            norms = list(m.norms)
+            norms[A] = 1e-3
+            return [seal(dataclasses.replace(m, norms=tuple(norms)), g.keys[L])]
+        return [data]
+    return policy
+
+
+def test_a_tiny_norm_told_to_one_member_of_three_is_audited_away_before_it_lands():
+    """The liar reports one member a tiny norm of its push to A's part, the other the true one
+    (a review's repro: the screens' inputs are the reports each member got). B's norm screen
+    refuses A's honest mean of that part; before landing, B audits the part (A shows the signed
+    pushes it averaged), the audit passes, and B lands the mean after all: A and B land alike,
+    in the round, both saying agreed, and neither stops grouping with the other. Before the
+    audit came before the landing, B fell back on the part and the two landed apart."""
     async def go():
         g = InProcessGroup(3, clip=2.0)
         u = torch.ones(8) / 8 ** 0.5
         g.vectors[A][:8], g.vectors[B][:8], g.vectors[L][:8] = 10 * u, u, 10 * u
-
-        async def policy(src, dst, data, v):
-            m = v.message
-            if src == L and dst == B and isinstance(m, PartsHeld) and not m.final:
-                norms = list(m.norms)
-                norms[A] = 1e-3
-                return [seal(dataclasses.replace(m, norms=tuple(norms)), g.keys[L])]
-            return [data]
-
-        g.policy = policy
+        g.policy = _tiny_norm_to_b(g)
         outs = await g.run([A, B, L])
-        assert apart_unnoticed(g, outs, [A, B]) == []
-        flagged = [i for i in (A, B) if g.averagers[i].apart]
-        assert flagged == [i for i in (A, B) if not torch.equal(outs[A].average, outs[B].average)]
-        assert all(not g.round_of(i).said_agreed for i in flagged)  # said once
+        assert g.round_of(B).screen()[0] == [A]  # the lie worked on B's screen
+        assert g.round_of(B).cleared == {A}  # and the audit undid it
+        assert torch.equal(outs[A].average, outs[B].average)
+        assert outs[A].agreed and outs[B].agreed
+        assert outs[B].fallback_parts == () and outs[B].refused == ()
+        assert not any(g.averagers[i].apart for i in (A, B))
+        assert g.averagers[B].audits.counts == {"ok": 1}
+        # the audit showed L's signed push of A's part: its report to B understated it, proof of a lie
+        [(key, why, proof)] = g.averagers[B].audits.offences
+        assert key == g.keys[L].public_key and "norm" in why
+        assert proves(list(proof), RUN) == (key, why)
+        await g.until(lambda: g.keys[L].public_key in g.averagers[A].audits._convicted)  # handed on, checked by A
+
+    asyncio.run(go())
+
+
+def test_a_mean_the_screen_refuses_that_no_audit_shows_falls_back_and_the_round_is_not_agreed():
+    """The same lie, and A does not answer audits (a reducer killed after its round, or a cut
+    link): B waits up to the deadline for the verdict, falls back on the part, and says not
+    agreed, so the node compares states after the round (A landed the part)."""
+    async def go():
+        g = InProcessGroup(3, clip=2.0)
+        u = torch.ones(8) / 8 ** 0.5
+        g.vectors[A][:8], g.vectors[B][:8], g.vectors[L][:8] = 10 * u, u, 10 * u
+        g.averagers[A].audits.answer = lambda peer_id, msg: None
+        g.policy = _tiny_norm_to_b(g)
+        outs = await g.run([A, B, L])
+        assert outs[B].fallback_parts == (A,) and not outs[B].agreed
+        assert outs[A].fallback_parts == ()
 
     asyncio.run(go())
 
