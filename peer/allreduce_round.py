@@ -89,9 +89,10 @@ class Landing(NamedTuple):
     fallback: tuple[int, ...]
     """Parts whose elements keep our own values (``AllReduceOutcome.fallback_parts``)."""
     implausible: list[int]
-    """Parts held and refused as larger than their contributions allow (``implausible``)."""
+    """Parts held and refused as larger than their contributions allow (``implausible``), not
+    cleared by their audit before we landed (``cleared``)."""
     inconsistent: list[int]
-    """Parts held and refused by the screen (``inconsistent``): audited whatever the rate."""
+    """Parts held and refused by the screen (``inconsistent``), not cleared likewise."""
     conformed: list[int]
     """Parts held and fallen back on to follow the members that finished first (``conform``)."""
     partial: tuple[int, ...]
