@@ -2,7 +2,10 @@
 
 After each round, this member audits each part it holds from another reducer with
 probability ``rate`` (the run's ``sync.audit``; drawn from the OS's randomness, so a reducer
-cannot know which of its means will be audited). It sends the reducer an ``AuditRequest``;
+cannot know which of its means will be audited); before it lands, every part its screen
+refused (``before_landing``: landed after all if the audit passes). Every audit also sets
+each contributor's report against the signed pushes the reducer shows
+(``protocol.evidence.false_norm``). It sends the reducer an ``AuditRequest``;
 the reducer answers on a stream of its own with the inputs of its mean: the contributors'
 signed pushes (forwarded unchanged) and its own slice as the signed ``PushSlice``
 frames. The auditor recomputes the mean off the training path (the round has landed):
