@@ -136,6 +136,9 @@ HANDLER_PREFIX = "swarmstream-avg-v8-"  # v2: acknowledged frames (peer.outbox);
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
 AGREE_GRACE = 1.0  # reports and forwarded parts by (1 + AGREE_GRACE) * deadline_s
 SCREEN_AUDIT_WAIT = 1.0  # x deadline_s: how long we wait, before landing, for the audits of parts the screen refused
+ROUND_SPAN = 1 + RESULT_GRACE + AGREE_GRACE + SCREEN_AUDIT_WAIT
+"""The longest a round may take, in all-reduce deadlines (3.5): its agreement's deadline, then the
+audits of parts the screen refused. The node's landing and its run's-end settle wait that long."""
 _RECENT_SPAN = 2  # finished rounds are kept this many agreement windows (2.5 D) for late reports (keep_recent)
 _FINISHED_MEMORY = 1024  # group IDs of finished rounds whose late frames we drop quietly
 
@@ -194,8 +197,9 @@ class AllReduceOutcome:
     over ``clip`` x the lower median of the contributions' norms (protocol.butterfly)."""
     refused: tuple[bytes, ...] = ()
     """Public keys of the reducers whose mean we refused as too large for its contributions
-    (``Round.implausible``) and whose audit before we landed did not clear it (no answer in
-    time: a wrong mean is proof, in ``offences`` once the audit's verdict is in)."""
+    (``Round.implausible``) and could not audit before we landed (the node stops grouping with
+    them). One we audited is judged by the audit (``peer.audit``): banned on a wrong mean,
+    suspended if it never shows its inputs."""
     offences: tuple[tuple[bytes, str, bytes | tuple[bytes, bytes]], ...] = ()
     """Proven lies seen in this round: (signer's public key, what is wrong, the signed frame,
     or the two frames of an equivocation), one per signer (``protocol.evidence``);
@@ -298,9 +302,9 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
     async def allreduce(self, group: Group, vector: torch.Tensor, weight: float, *,
                         stopping: bool = False) -> AllReduceOutcome:
         """Average ``vector`` (numel,) with the group's other members; see the module docstring.
-        Never waits more than ``2.5 * group.deadline_s`` (plus the local encode/decode), and
-        that long only when a member that took part never reports; plus up to
-        ``SCREEN_AUDIT_WAIT * group.deadline_s`` when the screen refused a part (its audit). ``stopping``: we pause, stop
+        Never waits more than ``ROUND_SPAN * group.deadline_s`` (plus the local encode/decode):
+        ``2.5 D`` when a member that took part never reports, plus ``SCREEN_AUDIT_WAIT * D``
+        when the screen refused a part (its audit). ``stopping``: we pause, stop
         or catch up by a download, so we started before our landing step (``PushSlice.stopping``)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -408,7 +412,12 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
 
         screened = [j for refused in rnd.screen() for j in refused]
         if screened:  # audited before we land: a false report to us alone may be why (Audits.before_landing)
-            await self.audits.before_landing(rnd, screened, SCREEN_AUDIT_WAIT * group.deadline_s)
+            try:
+                await self.audits.before_landing(rnd, screened, SCREEN_AUDIT_WAIT * group.deadline_s)
+            except BaseException:  # cancelled while the audits ran: kept as frames only, as above
+                rnd.retire()
+                rnd.result = rnd.result.new_empty(0)
+                raise
         landing = rnd.land()
         rnd.undelivered = rnd.forwards_undelivered()  # (its sends are done or cancelled by now)
         fallback, implausible, conformed = landing.fallback, landing.implausible, landing.conformed
@@ -437,7 +446,8 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
                                 time.perf_counter() - started, landing.partial, tuple(sorted(rnd.repaired)),
                                 rnd.said_agreed,
                                 tuple(rnd.clipped),
-                                tuple(bytes(rnd.group.members[j]) for j in implausible), offences, tuple(conformed),
+                                tuple(bytes(rnd.group.members[j]) for j in implausible if j not in rnd.audited),
+                                offences, tuple(conformed),
                                 kept_waiting, tuple(rnd.gated))
 
     @staticmethod

@@ -222,7 +222,9 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin, ReduceMixin)
         its reducer's inputs (``peer.audit.Audits.before_landing``): landed after all."""
         self.audited: set[int] = set()  # parts audited before we landed (not again after the round)
         self.unsure = False  # a refused part's audit had no verdict as we landed: another member may land it
-        self.proven: set[int] = set()  # members our audits proved liars before we landed: their finals count for nothing
+        # members proven liars as we landed (by our audits before landing, or any proof we hold by then; set
+        # when we audited): their finals count for nothing
+        self.proven: set[int] = set()
 
     def size(self, j: int) -> int:
         s, e = self.bounds[j]

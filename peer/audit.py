@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections import Counter, deque
 from collections.abc import Callable
@@ -45,8 +46,8 @@ from peer.distrust import Distrust
 from protocol.audit import NOT_COMMITTED, OK, UNPROVEN, WRONG, check
 from protocol.butterfly import HEAD_ROOM, on_grid
 from protocol.envelope import Verified, seal_parts, verify
-from protocol.errors import RemoteProtocolError
-from protocol.evidence import false_norm, proves
+from protocol.errors import ProtocolError, RemoteProtocolError
+from protocol.evidence import NORM_ROOM, false_norm, floor_squares, proves
 from protocol.identity import peer_id_from_public_key
 from protocol.messages_swarm import AuditRequest, Evidence, PushSlice
 
@@ -162,8 +163,9 @@ class Audits:
         ``wait`` seconds for the verdicts: a part whose mean follows from its reducer's inputs
         is landed after all (``Round.cleared``), so we land what the others do; a wrong one
         falls back, its reducer convicted and the proof handed to the group (as after a round);
-        one without a verdict by then falls back and makes the round unsure (not agreed:
-        another member may land it), and its audit goes on. A member proven a liar (the
+        one without a verdict by then, or with none to give (``UNPROVEN``: the reducer did not
+        show its inputs), falls back and makes the round unsure (not agreed: another member may
+        land it), and its audit goes on (it suspends a reducer that never answers). A member proven a liar (the
         reducer, or a contributor whose report understated its push) is ``Round.proven``: its
         final, which says it landed its wrong mean, counts for nothing. A lying reducer gains nothing: a
         mean that passes an audit is one its inputs give."""
@@ -178,8 +180,10 @@ class Audits:
             verdict = task.result() if task in done and not task.cancelled() and task.exception() is None else None
             if verdict == OK:
                 rnd.cleared.add(j)
-            elif verdict is None:
-                rnd.unsure = True
+                log.info("a part our screen refused passed its audit: landing it part=%d reducer=%s group=%s", j,
+                         rnd.peer_ids[j], rnd.group.group_id.hex())
+            elif verdict != WRONG:  # no verdict yet, or none to give (no answer, not all of it): another
+                rnd.unsure = True  # member may have landed the part
 
     async def _audit(self, rnd: Round, j: int) -> str | None:
         """Audit part j of ``rnd`` (see the module docstring). -> the verdict; None if one of
@@ -235,13 +239,14 @@ class Audits:
         to us gave of them (``protocol.evidence.false_norm``): a report that made a push look
         smaller than it was (a tiny norm told to us alone makes our screen refuse an honest
         mean) is proof; its sender is convicted, and the proof goes to the group."""
+        j = rnd.index[pending.reducer]
         for i, report in sorted(rnd.report_frames.items()):
             key = bytes(rnd.group.members[i])
             pushes = pending.signed.get(key)
-            if not pushes or key in self._convicted:
+            if not pushes or key in self._convicted or i not in rnd.report_norms:
                 continue
-            proof = (report, *pushes)
-            proven = await asyncio.to_thread(false_norm, proof, rnd.group.run_id)
+            proof = await asyncio.to_thread(_least_proof, report, pushes, rnd.report_norms[i][j])
+            proven = await asyncio.to_thread(false_norm, proof, rnd.group.run_id) if proof else None
             if proven is not None:
                 log.warning("audit: a member's report understated its push peer=%s group=%s: %s", rnd.peer_ids[i],
                             rnd.group.group_id.hex(), proven[1])
@@ -464,6 +469,29 @@ class Audits:
             raise
         except Exception as e:  # noqa: BLE001  (an auditor we cannot reach: its problem)
             log.info("audit answer not delivered peer=%s detail=%r", peer_id, e)
+
+
+def _least_proof(report: bytes, pushes: list[bytes], said: float) -> tuple[bytes, ...] | None:
+    """The report and the fewest of ``pushes`` (one member's chunks of one part, verified as
+    the audit took them) whose least norm (``protocol.evidence.floor_squares``) is beyond
+    ``said``, the norm its report gave: largest first, so the proof usually fits one
+    ``Evidence`` frame (a tiny norm is beaten by one chunk; all of a part's chunks would not fit).
+    None if even all of them are within it."""
+    sized = []
+    for frame in pushes:
+        try:
+            msg = verify(frame, expect=(PushSlice,), max_size=len(frame)).message
+            sized.append((floor_squares(msg), frame))  # type: ignore[arg-type]
+        except ProtocolError:
+            return None
+    sized.sort(key=lambda t: -t[0])
+    total, picked = 0.0, []
+    for squares, frame in sized:
+        total += squares
+        picked.append(frame)
+        if math.sqrt(total) > said * (1 + NORM_ROOM):
+            return (report, *picked)
+    return None
 
 
 def inputs_frames(rnd: Round) -> list[list[Any]]:

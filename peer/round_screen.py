@@ -46,11 +46,14 @@ class ScreenMixin:
             if j == self.me or not self.holds(j) or self.thrown_out(j):
                 continue
             others = [i for i in self.contributors[j] if i != j] or [i for i in range(self.n) if i != j]
+            if any(i in self.reports and i not in norms for i in others):
+                continue  # a contributor whose report told us no norms may be anything up to the clip (as in
+                # ``inconsistent``): a bound without it refused honest means, and no norm said is none proven
             bound = mean_norm_bound([norms[i][j] for i in others if i in norms], self.clip)
             s, e = self.bounds[j]
             if bound is not None and (norm := slice_norm(self.result[s:e])) > bound:
                 log.warning("reduced part too large to be a mean of its contributions norm=%.3g bound=%.3g "
-                            "part=%d reducer=%s group=%s: falling back on it", norm, bound, j, self.peer_ids[j],
+                            "part=%d reducer=%s group=%s: auditing it before we land", norm, bound, j, self.peer_ids[j],
                             self.group.group_id.hex())
                 out.append(j)
         return out
@@ -108,6 +111,6 @@ class ScreenMixin:
             if not screen_mean(slice_norm(self.result[s:e]), error, self.clip, self.group.weights[j], said_by,
                                reporters=others, vouched=self.vouched(j), gate=self.gate, numel=e - s):
                 log.warning("reduced part its contributions cannot give (by their reported dots) part=%d reducer=%s "
-                            "group=%s: falling back on it", j, self.peer_ids[j], self.group.group_id.hex())
+                            "group=%s: auditing it before we land", j, self.peer_ids[j], self.group.group_id.hex())
                 out.append(j)
         return out

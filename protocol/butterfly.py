@@ -149,14 +149,15 @@ def mean_norm_bound(others: Sequence[float], clip: float) -> float | None:
     A weighted mean is no larger than its largest term, so an honest reducer's mean stays
     within ``max(1, clip) * max(others)``, times ``MEAN_SLACK`` for rounding. A reducer's own
     norm is its word and is left out; a member that under-reports can make an honest part
-    look too large, which makes every member fall back on it alike, nothing more.
+    look too large, which has it audited before landing (``peer.audit.Audits.before_landing``:
+    landed, and the under-report proven, ``protocol.evidence.false_norm``).
 
     The bound takes the clip as at least 2 (where it stood before the default became 1): the
     reports that came may all be of slower members, smaller than the lower median (those of
     the others lost), and an honest mean, about the size of the median, is refused once they
     are below 1 / (MEAN_SLACK x the factor) of it: a quarter, not a half. Such a refusal costs
-    the reducer our groups (``peer.node.syncs``), so the room stays; a reducer's larger mean
-    within it is the screen's and the audits' to catch."""
+    an audit, and the reducer our groups if it cannot be audited (``peer.node.syncs``), so the
+    room stays; a reducer's larger mean within it is the screen's and the audits' to catch."""
     if not clip or not others:
         return None
     return MEAN_SLACK * max(2.0, clip) * max(others)

@@ -25,11 +25,13 @@ another.
 
 A false norm (``false_norm``): a member's report (``PartsHeld``) says how large its slice of each
 part was, and the screens of the others bound a part's mean by those norms. A report that
-says a push was smaller than the pushes it signed for that part show (their decoded norm,
-less the codec's rounding of the raw slice, since the norm of its own part is of the raw
-values) makes an honest mean look too large to one member: proof of a lie, found when an
-audit fetches the signed pushes. ``proves`` checks any evidence: one frame or two (or an
-audit's frames, or a report and pushes).
+says a push was smaller than the pushes it signed for that part show (the least norm of what
+they encode, since the norm of its own part is of the raw values) makes an honest mean look
+too large to one member: proof of a lie, found when an audit fetches the signed pushes.
+``proves`` checks any evidence: one frame or two (or an audit's frames, or a report and
+pushes). Such a proof holds the report and the fewest chunks that beat it; a chunk of a
+full-size fp32 slice does not fit one ``Evidence`` frame beside the report, so that proof
+bans the liar where it was found and goes no further.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.messages import MAX_FRAME_BYTES
 from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
-__all__ = ["NORM_ROOM", "equivocation", "false_norm", "offence", "own_contradiction", "proves"]
+__all__ = ["NORM_ROOM", "equivocation", "false_norm", "floor_squares", "offence", "own_contradiction", "proves"]
 
 NORM_ROOM = 1e-6
 """Relative room ``false_norm`` allows a reported norm for the float64 sums' order (an honest
@@ -106,13 +108,24 @@ def own_contradiction(mean_frame: bytes, own_frame: bytes, run_id: bytes) -> tup
                          f"to its witness is not the one its mean commits to")
 
 
+def floor_squares(push: PushSlice) -> float:
+    """The least squared norm the slice that ``push`` encodes can have had: element by element,
+    ``max(0, |decoded| - its rounding)`` (``Codec.element_bounds``; a value the codec saturated
+    was larger still), so for an honest member's push it is at most its report's norm, whether
+    that norm is of the push as decoded (another's part) or of the raw values (its own).
+    Raises ``ProtocolError`` for a payload the codec refuses."""
+    codec = get_codec(push.codec)
+    floor = codec.decode(push.payload, push.numel).double().abs_().sub_(codec.element_bounds(push.payload, push.numel))
+    return float(torch.sum(floor.clamp_(min=0.0) ** 2))
+
+
 def false_norm(frames: Sequence[bytes], run_id: bytes) -> tuple[bytes, str] | None:
     """(the reporter's key, what it did) if ``frames[0]`` is a ``PartsHeld`` report (not a
     final) of run ``run_id`` and the rest are ``PushSlice`` frames signed by the same key, of one
-    part of the same group, over disjoint elements, whose decoded norm less the codec's rounding
-    (``Codec.error_bound``: the norm of one's own part is of the raw values) is larger than the
-    report says that slice was. A subset of a push's chunks has at most the whole push's norm,
-    so an honest member's report is never contradicted by any of its pushes. None otherwise."""
+    part of the same group, over disjoint elements, whose least norm (``floor_squares``: the
+    norm of one's own part is of the raw values) is larger than the report says that slice
+    was. A subset of a push's chunks has at most the whole push's norm, so an honest member's
+    report is never contradicted by any of its pushes. None otherwise."""
     try:
         report = verify(frames[0], expect=(PartsHeld,), run_id=run_id, max_size=MAX_FRAME_BYTES)
         pushes = [verify(f, expect=(PushSlice,), run_id=run_id, max_size=MAX_FRAME_BYTES) for f in frames[1:]]
@@ -129,15 +142,10 @@ def false_norm(frames: Sequence[bytes], run_id: bytes) -> tuple[bytes, str] | No
         return None
     if any(a.offset + a.numel > b.offset for a, b in zip(msgs, msgs[1:])):
         return None  # overlapping chunks (two pushes of one chunk): not one push's norm
-    squares = errors = 0.0
     try:
-        for m in msgs:
-            codec = get_codec(m.codec)
-            squares += float(torch.sum(codec.decode(m.payload, m.numel).double() ** 2))
-            errors += codec.error_bound(m.payload, m.numel) ** 2
+        shown = math.sqrt(math.fsum(floor_squares(m) for m in msgs))
     except ProtocolError:
         return None
-    shown = math.sqrt(squares) - math.sqrt(errors)
     said = rep.norms[part]
     if not math.isfinite(shown) or shown <= said * (1 + NORM_ROOM):
         return None

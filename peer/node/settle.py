@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Any
 
+from peer.allreduce import ROUND_SPAN
 from peer.globalstate import choose_digest
 from peer.node.catchup import download_s
 
@@ -34,9 +35,9 @@ def final_vote(done: dict[bytes, bytes], me: bytes, ours: bytes, taken: int = 0,
 def settle_limits(swarm, began: float) -> tuple[float, float]:
     """(deadline, limit) of comparing final copies (``_settle_copy``), begun at ``began``
     (monotonic): no download starts after the deadline, which leaves a partner its last
-    all-reduce at its longest (2.5 deadlines) and two heartbeats to show it; a download, ours or
-    one from us, holds us until the limit at most, one download later."""
-    deadline = began + 2.5 * swarm.allreduce_timeout_s + 2 * swarm.heartbeat_interval_s
+    all-reduce at its longest (``ROUND_SPAN``, 3.5 deadlines) and two heartbeats to show it; a
+    download, ours or one from us, holds us until the limit at most, one download later."""
+    deadline = began + ROUND_SPAN * swarm.allreduce_timeout_s + 2 * swarm.heartbeat_interval_s
     return deadline, deadline + download_s(swarm)
 
 
@@ -74,7 +75,7 @@ class SettleMixin:
         We beat so that the others see our final digest, and go when every such peer shows the
         winner, nobody is still on the way to our rounds (``_on_way_to``) and nobody is
         downloading from us. At the latest (``settle_limits``): no download starts after
-        2.5 all-reduce deadlines (the longest an honest partner's last round may take) and two
+        3.5 all-reduce deadlines (the longest an honest partner's last round may take) and two
         heartbeat intervals, and neither ours nor one from us holds us past that plus one
         download. A failed read of the peers concludes nothing, nor does one that does not show
         our own final heartbeat (a DHT lookup under load may come back empty instead of failing);

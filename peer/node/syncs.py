@@ -20,6 +20,7 @@ from peer.node.config import (
     _fault_alone,
     _fault_due,
 )
+from peer.allreduce import ROUND_SPAN
 from peer.pace import straggle_steps
 from peer.sync_pipeline import Forming, InFlight
 from protocol.butterfly import slice_bounds
@@ -275,7 +276,8 @@ class SyncMixin:
 
     def _await_beating(self, fut, swarm, timeout_s: float):
         """``fut.result(timeout_s)``, beating every heartbeat interval meanwhile. A landing can
-        wait up to 2.5 all-reduce deadlines (a part late under load), longer than a heartbeat
+        wait up to 3.5 all-reduce deadlines (a part late under load, then an audit before landing:
+        ``peer.allreduce.ROUND_SPAN``), longer than a heartbeat
         lives: our heartbeat expired, and a partner that finished the run meanwhile saw nobody
         on the way to its final rounds, left, and the two ended on different copies (CI)."""
         deadline = time.monotonic() + timeout_s
@@ -294,7 +296,7 @@ class SyncMixin:
         reason = ""
         try:
             result = self._await_beating(fut, swarm, swarm.matchmaking_timeout_s + self.matchmaker.leaderless_s()
-                                         + 2.5 * swarm.allreduce_timeout_s + 30)
+                                         + ROUND_SPAN * swarm.allreduce_timeout_s + 30)
             if result is None:
                 reason = "no group formed: averaged alone"
         except Exception as e:  # a failed round must not stop training: average alone

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from peer.audit import _least_proof
 from protocol.butterfly import slice_norm
 from protocol.codecs import get_codec
 from protocol.envelope import seal
@@ -91,3 +92,29 @@ def test_frames_that_are_not_one_members_push_against_its_report_prove_nothing()
     assert false_norm([seal(other_round, ME), *frames], RUN) is None
     other_group = dataclasses.replace(other_round, round=3, group_id=b"h" * 16)
     assert false_norm([seal(other_group, ME), *frames], RUN) is None
+
+
+def test_a_saturated_value_still_shows_the_rest_of_the_push():
+    """fp16 saturates at 65504: that value's rounding is unbounded above, but it was at least as
+    large as it decodes, so the push's least norm still beats a tiny report (a bound on the
+    whole push's rounding, infinite there, once let such a liar go unproven: a review's repro)."""
+    x = torch.randn(300, generator=torch.Generator().manual_seed(5))
+    x[7] = 1e6
+    frames = pushes(x, "fp16")
+    assert false_norm([report((0.0, 1e-3, 0.0)), *frames], RUN) is not None
+    assert false_norm([report((0.0, slice_norm(x), 0.0)), *frames], RUN) is None  # the raw norm: honest
+
+
+def test_the_proof_holds_the_fewest_chunks_that_beat_the_report():
+    """So that it fits one Evidence frame to hand on: largest chunks first."""
+    x = torch.randn(300, generator=torch.Generator().manual_seed(6))
+    x[130] = 50.0  # chunk 2 (elements 128-191) is by far the largest
+    frames = pushes(x, "fp4")
+    rep = report((0.0, 1e-3, 0.0))
+    proof = _least_proof(rep, frames, 1e-3)
+    assert proof == (rep, frames[2]) and false_norm(list(proof), RUN) is not None
+    assert _least_proof(rep, frames, slice_norm(decoded(x, "fp4"))) is None  # the truth: nothing beats it
+    even = torch.randn(300, generator=torch.Generator().manual_seed(8))  # five chunks of about one size
+    frames = pushes(even, "fp4")
+    proof = _least_proof(rep, frames, 0.8 * slice_norm(decoded(even, "fp4")))
+    assert len(proof) > 3 and false_norm(list(proof), RUN) is not None  # most of the norm: most of the chunks

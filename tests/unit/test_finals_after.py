@@ -7,12 +7,13 @@ process (tests/unit/inprocess_group.py), one of them lying."""
 import asyncio
 import dataclasses
 
+import pytest
 import torch
 
 from peer.node.faults import make_liar, parse_lies
-from protocol.envelope import seal
+from protocol.envelope import seal, verify
 from protocol.evidence import proves
-from protocol.messages_swarm import PartsHeld, PushSlice
+from protocol.messages_swarm import AuditRequest, PartsHeld, PushSlice
 from tests.unit.inprocess_group import RUN, InProcessGroup
 
 A, B, L = 0, 1, 2  # two honest members and a liar
@@ -67,19 +68,56 @@ def test_a_tiny_norm_told_to_one_member_of_three_is_audited_away_before_it_lands
     asyncio.run(go())
 
 
-def test_a_mean_the_screen_refuses_that_no_audit_shows_falls_back_and_the_round_is_not_agreed():
-    """The same lie, and A does not answer audits (a reducer killed after its round, or a cut
-    link): B waits up to the deadline for the verdict, falls back on the part, and says not
-    agreed, so the node compares states after the round (A landed the part)."""
+@pytest.mark.parametrize("how", ["silent", "unreachable"])
+def test_a_mean_the_screen_refuses_that_no_audit_shows_falls_back_and_the_round_is_not_agreed(how):
+    """The same lie, and A does not answer audits (a reducer killed after its round), or B's
+    request cannot reach it (a cut link: no verdict to give, at once): B falls back on the part
+    and says not agreed, so the node compares states after the round (A landed the part). A
+    is not shut out for good on a refusal nobody proved (``AllReduceOutcome.refused``): the
+    audit suspends a reducer that never answers, nothing more."""
     async def go():
         g = InProcessGroup(3, clip=2.0)
         u = torch.ones(8) / 8 ** 0.5
         g.vectors[A][:8], g.vectors[B][:8], g.vectors[L][:8] = 10 * u, u, 10 * u
-        g.averagers[A].audits.answer = lambda peer_id, msg: None
+        if how == "silent":
+            g.averagers[A].audits.answer = lambda peer_id, msg: None
+        else:
+            send = g.averagers[B]._send_frames
+
+            async def no_audits(peer_id, frames):
+                if any(isinstance(verify(b"".join(bytes(x) for x in f)).message, AuditRequest) for f in frames):
+                    raise ConnectionResetError("unreachable (a test's fault)")
+                return await send(peer_id, frames)
+
+            g.averagers[B]._send_frames = no_audits
         g.policy = _tiny_norm_to_b(g)
         outs = await g.run([A, B, L])
-        assert outs[B].fallback_parts == (A,) and not outs[B].agreed
+        assert outs[B].fallback_parts == (A,) and not outs[B].agreed and outs[B].refused == ()
         assert outs[A].fallback_parts == ()
+        assert g.averagers[B].audits.counts == {"unproven": 1}  # (the silent one's, after our wait: it went on)
+
+    asyncio.run(go())
+
+
+def test_a_report_without_norms_bounds_nothing_and_refuses_no_honest_part():
+    """A report to B alone that gives no norms at all: no norm said, none to prove false, so it
+    must not make B refuse A's honest mean (a bound from B's own norm alone did, and had A
+    audited every round: a review's repro). B lands it without an audit, as A does."""
+    async def go():
+        g = InProcessGroup(3, clip=2.0)
+        u = torch.ones(8) / 8 ** 0.5
+        g.vectors[A][:8], g.vectors[B][:8], g.vectors[L][:8] = 10 * u, u, 10 * u
+
+        async def policy(src, dst, data, v):
+            m = v.message
+            if src == L and dst == B and isinstance(m, PartsHeld) and not m.final:
+                return [seal(dataclasses.replace(m, norms=()), g.keys[L])]
+            return [data]
+
+        g.policy = policy
+        outs = await g.run([A, B, L])
+        assert torch.equal(outs[A].average, outs[B].average) and outs[B].agreed
+        assert not g.averagers[B].audits.counts
 
     asyncio.run(go())
 

@@ -11,6 +11,7 @@ import pytest
 from peer.distrust import Distrust
 
 from peer.node.catchup import download_s
+from peer.allreduce import ROUND_SPAN
 from peer.node.settle import SettleMixin, final_vote, settle_limits
 
 MINE = (5, 5)
@@ -73,7 +74,7 @@ def test_a_liar_can_move_a_finisher_at_most_once_per_holder_it_adds():
 def test_the_settle_deadline_leaves_a_partner_its_longest_last_round():
     swarm = SimpleNamespace(allreduce_timeout_s=20.0, heartbeat_interval_s=3.0, state_chunk_timeout_s=5.0)
     deadline, limit = settle_limits(swarm, 100.0)
-    assert deadline == 100.0 + 2.5 * 20.0 + 2 * 3.0  # the longest an all-reduce may take, and two heartbeats
+    assert deadline == 100.0 + ROUND_SPAN * 20.0 + 2 * 3.0  # the longest an all-reduce may take, and two heartbeats
     assert limit == deadline + download_s(swarm)  # one download, ours or from us, at most
 
 
@@ -217,7 +218,7 @@ def test_only_a_partner_on_its_way_holds_a_tie_back_and_only_until_the_last_hear
                 self.asked.append((want, time.monotonic() - began, self.reads)), setattr(self, "state_digest", want)
             )[-1] or True):
         node._settle_copy(swarm)
-    deadline = 2.5 * 0.2 + 2 * 0.2
+    deadline = ROUND_SPAN * 0.2 + 2 * 0.2
     assert [w for w, _, _ in node.asked] == [b"X"] and node.state_digest == b"X"
     _, at, reads = node.asked[0]
     if partner:
