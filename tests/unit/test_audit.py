@@ -17,7 +17,7 @@ from hypothesis import example, given, settings, strategies as st
 
 from peer.allreduce import Group
 from peer.allreduce_round import Round
-from peer import audit as audit_module
+from peer import proofs as proofs_module
 from peer.audit import Audits, inputs_frames
 from peer.bans import Bans
 from peer.distrust import Distrust
@@ -266,13 +266,13 @@ def test_proof_handed_on_is_checked_one_at_a_time_off_the_event_loop_and_a_flood
     audits = Audits(SimpleNamespace(run_id=RUN, identity=KEYS[4], banned=set(), _side_tasks=set()), rate=0.0,
                     clip=2.0)
     payload = msgpack.packb(means + shown, use_bin_type=True)
-    threads, real = [], audit_module.proves
+    threads, real = [], proofs_module.proves
 
     def proves(*a, **kw):  # the real check, noting the thread it runs on
         threads.append(threading.get_ident())
         return real(*a, **kw)
 
-    monkeypatch.setattr(audit_module, "proves", proves)
+    monkeypatch.setattr(proofs_module, "proves", proves)
 
     async def burst() -> list:
         loop_thread = threading.get_ident()
@@ -391,7 +391,7 @@ def test_gossip_hands_a_proof_to_peers_whose_heartbeats_lack_the_ban_a_few_per_i
 def test_gossip_goes_to_partners_first_and_hands_one_proof_to_a_bounded_number_of_peers(monkeypatch):
     """Keys that post heartbeats listing no ban cannot make us upload a proof without end: one
     proof goes to at most ``_GOSSIP_PER_LIAR`` peers, those that averaged with us lately first."""
-    monkeypatch.setattr(audit_module, "_GOSSIP_PER_LIAR", 3)
+    monkeypatch.setattr(proofs_module, "_GOSSIP_PER_LIAR", 3)
     liar = Identity.from_seed(bytes([0x92]) * 32)
     audits, sent = _recording_holder(liar, monkeypatch)
     sybils = [(f"s{i}", liar.public_key) for i in range(50)]
