@@ -181,7 +181,7 @@ class Audits(ProofsMixin):
             del self._open[key]
             self._closed.append((bytes(g.group_id), j, pending.reducer))
         verdict, reducer, why = await asyncio.to_thread(check, mean_frames, pending.frames, g.run_id, self.clip, self.gate)
-        await self._false_norms(rnd, pending)
+        _side_task(av, self._false_norms(rnd, pending))  # not awaited: the verdict does not wait for it
         self.counts[verdict] += 1
         suspended, lied = 0, False
         if verdict == UNPROVEN and self.distrust is not None:
@@ -284,12 +284,15 @@ def _least_proof(report: bytes, pushes: list[bytes], said: float) -> tuple[bytes
             sized.append((floor_squares(msg), frame))  # type: ignore[arg-type]
         except ProtocolError:
             return None
+    beyond = said * (1 + NORM_ROOM)
+    alone = [frame for squares, frame in sized if math.sqrt(squares) > beyond]
+    if alone:  # one chunk is enough: the shortest (the part's last chunk may fit a frame where a full one does not)
+        return (report, min(alone, key=len))
     sized.sort(key=lambda t: -t[0])
-    total, picked = 0.0, []
-    for squares, frame in sized:
-        total += squares
+    picked: list[bytes] = []
+    for i, (_, frame) in enumerate(sized):
         picked.append(frame)
-        if math.sqrt(total) > said * (1 + NORM_ROOM):
+        if math.sqrt(math.fsum(sq for sq, _ in sized[:i + 1])) > beyond:  # summed as false_norm sums
             return (report, *picked)
     return None
 

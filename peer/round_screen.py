@@ -46,10 +46,11 @@ class ScreenMixin:
             if j == self.me or not self.holds(j) or self.thrown_out(j):
                 continue
             others = [i for i in self.contributors[j] if i != j] or [i for i in range(self.n) if i != j]
-            if any(i in self.reports and i not in norms for i in others):
-                continue  # a contributor whose report told us no norms may be anything up to the clip (as in
-                # ``inconsistent``): a bound without it refused honest means, and no norm said is none proven
-            bound = mean_norm_bound([norms[i][j] for i in others if i in norms], self.clip)
+            if any(i not in norms for i in others):
+                continue  # a contributor whose norms we lack (no report, or one without norms) may be anything
+                # up to the clip, as in ``inconsistent``: a bound without it refused honest means, and a
+                # liar that withheld its report from us alone (or its norms) made us audit one every round
+            bound = mean_norm_bound([norms[i][j] for i in others], self.clip)
             s, e = self.bounds[j]
             if bound is not None and (norm := slice_norm(self.result[s:e])) > bound:
                 log.warning("reduced part too large to be a mean of its contributions norm=%.3g bound=%.3g "

@@ -152,12 +152,11 @@ def mean_norm_bound(others: Sequence[float], clip: float) -> float | None:
     look too large, which has it audited before landing (``peer.audit.Audits.before_landing``:
     landed, and the under-report proven, ``protocol.evidence.false_norm``).
 
-    The bound takes the clip as at least 2 (where it stood before the default became 1): the
-    reports that came may all be of slower members, smaller than the lower median (those of
-    the others lost), and an honest mean, about the size of the median, is refused once they
-    are below 1 / (MEAN_SLACK x the factor) of it: a quarter, not a half. Such a refusal costs
-    an audit, and the reducer our groups if it cannot be audited (``peer.node.syncs``), so the
-    room stays; a reducer's larger mean within it is the screen's and the audits' to catch."""
+    The bound takes the clip as at least 2 (where it stood before the default became 1), for
+    room: a refusal costs an audit, and the reducer our groups if it cannot be audited
+    (``peer.node.syncs``); a reducer's larger mean within it is the screen's and the audits'
+    to catch. The caller passes every such contributor's norm or does not bound the part
+    (``peer.round_screen``: one whose norms it lacks may be anything up to the clip)."""
     if not clip or not others:
         return None
     return MEAN_SLACK * max(2.0, clip) * max(others)

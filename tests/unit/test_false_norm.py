@@ -106,13 +106,16 @@ def test_a_saturated_value_still_shows_the_rest_of_the_push():
 
 
 def test_the_proof_holds_the_fewest_chunks_that_beat_the_report():
-    """So that it fits one Evidence frame to hand on: largest chunks first."""
+    """So that it fits one Evidence frame to hand on: the shortest chunk that beats the report
+    alone (a part's last chunk may fit where a full one does not), else the largest first."""
     x = torch.randn(300, generator=torch.Generator().manual_seed(6))
     x[130] = 50.0  # chunk 2 (elements 128-191) is by far the largest
     frames = pushes(x, "fp4")
     rep = report((0.0, 1e-3, 0.0))
     proof = _least_proof(rep, frames, 1e-3)
-    assert proof == (rep, frames[2]) and false_norm(list(proof), RUN) is not None
+    assert proof == (rep, frames[-1]) and false_norm(list(proof), RUN) is not None  # 44 elements: the shortest
+    proof = _least_proof(rep, frames, 20.0)
+    assert proof == (rep, frames[2]) and false_norm(list(proof), RUN) is not None  # only the spike's chunk
     assert _least_proof(rep, frames, slice_norm(decoded(x, "fp4"))) is None  # the truth: nothing beats it
     even = torch.randn(300, generator=torch.Generator().manual_seed(8))  # five chunks of about one size
     frames = pushes(even, "fp4")

@@ -99,10 +99,12 @@ def test_a_mean_the_screen_refuses_that_no_audit_shows_falls_back_and_the_round_
     asyncio.run(go())
 
 
-def test_a_report_without_norms_bounds_nothing_and_refuses_no_honest_part():
-    """A report to B alone that gives no norms at all: no norm said, none to prove false, so it
-    must not make B refuse A's honest mean (a bound from B's own norm alone did, and had A
-    audited every round: a review's repro). B lands it without an audit, as A does."""
+@pytest.mark.parametrize("how", ["no norms", "withheld"])
+def test_a_report_without_norms_bounds_nothing_and_refuses_no_honest_part(how):
+    """A report to B alone that gives no norms at all, or none sent to B: no norm said, none to
+    prove false, so it must not make B refuse A's honest mean (a bound from B's own norm alone
+    did, and had A audited every round: two reviews' repros). B lands it without an audit, as
+    A does."""
     async def go():
         g = InProcessGroup(3, clip=2.0)
         u = torch.ones(8) / 8 ** 0.5
@@ -111,12 +113,13 @@ def test_a_report_without_norms_bounds_nothing_and_refuses_no_honest_part():
         async def policy(src, dst, data, v):
             m = v.message
             if src == L and dst == B and isinstance(m, PartsHeld) and not m.final:
-                return [seal(dataclasses.replace(m, norms=()), g.keys[L])]
+                return [seal(dataclasses.replace(m, norms=()), g.keys[L])] if how == "no norms" else []
             return [data]
 
         g.policy = policy
         outs = await g.run([A, B, L])
-        assert torch.equal(outs[A].average, outs[B].average) and outs[B].agreed
+        assert torch.equal(outs[A].average, outs[B].average) and outs[B].fallback_parts == ()
+        assert outs[B].agreed  # (a withheld report: L's final told B it finished)
         assert not g.averagers[B].audits.counts
 
     asyncio.run(go())
