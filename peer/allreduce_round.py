@@ -221,7 +221,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin, ReduceMixin)
         """Parts the screen refused whose audit before we landed showed that the mean follows from
         its reducer's inputs (``peer.audit.Audits.before_landing``): landed after all."""
         self.audited: set[int] = set()  # parts audited before we landed (not again after the round)
-        self.unsure = False  # a refused part's audit had no verdict as we landed: another member may land it
+        self.unsure = False  # a refused part's audit gave no verdict (yet) as we landed: another member may land it
         # members proven liars as we landed (by our audits before landing, or any proof we hold by then; set
         # when we audited): their finals count for nothing
         self.proven: set[int] = set()

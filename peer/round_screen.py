@@ -38,8 +38,9 @@ class ScreenMixin:
         another, by much. Every member that holds the same frames and reports decides alike.
         A refusal is not proof (a contributor's report may understate its push: to us alone,
         in a group of three, it makes an honest mean look too large), so the part is audited
-        before we land (``screen``); without a verdict in time we fall back on it and stop
-        grouping with its reducer (``AllReduceOutcome.refused``)."""
+        before we land (``screen``); without a verdict we fall back on it (the audit goes on,
+        and suspends a reducer that never shows its inputs), and one we could not audit at all
+        makes us stop grouping with its reducer (``AllReduceOutcome.refused``)."""
         norms = {**self.report_norms, self.me: self.norms}
         out = []
         for j in range(self.n):
