@@ -13,7 +13,7 @@ from peer.inbox import HEADER_LEN, FrameTooLarge, StreamEnded, TooManyStreams, p
 from peer.outbox import ACK, MAX_UNREAD_ACKS
 from protocol.envelope import verify
 from protocol.errors import RemoteProtocolError
-from protocol.messages_swarm import AuditRequest, Evidence, PartsHeld, PushSlice, SliceAveraged
+from protocol.messages_swarm import AuditRequest, Evidence, EvidencePiece, PartsHeld, PushSlice, SliceAveraged
 
 log = logging.getLogger("peer.allreduce")
 
@@ -56,7 +56,7 @@ class InboundMixin:
         """Handle one frame; -> (group ID, message type, part) of a slice or part the stream's peer
         sent for itself (what its stream's end says something about), else None."""
         try:
-            v = verify(data, expect=(PushSlice, SliceAveraged, PartsHeld, AuditRequest, Evidence), run_id=self.run_id,
+            v = verify(data, expect=(PushSlice, SliceAveraged, PartsHeld, AuditRequest, Evidence, EvidencePiece), run_id=self.run_id,
                        max_size=self.max_frame_bytes)
             if self.audits.take(peer_id, v, data):  # the inputs of a mean we audit, shown by its reducer
                 return None
@@ -71,6 +71,9 @@ class InboundMixin:
             return None
         if isinstance(v.message, Evidence):
             self.audits.evidence(peer_id, v.message)
+            return None
+        if isinstance(v.message, EvidencePiece):
+            self.audits.evidence_piece(peer_id, v.message)
             return None
         gid = bytes(v.message.group_id)  # type: ignore[attr-defined]
         nbytes = HEADER_LEN + len(data)

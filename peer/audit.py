@@ -274,8 +274,8 @@ class Audits(ProofsMixin):
 def _least_proof(report: bytes, pushes: list[bytes], said: float) -> tuple[bytes, ...] | None:
     """The report and the fewest of ``pushes`` (one member's chunks of one part, verified as
     the audit took them) whose least norm (``protocol.evidence.floor_squares``) is beyond
-    ``said``, the norm its report gave: largest first, so the proof usually fits one
-    ``Evidence`` frame (a tiny norm is beaten by one chunk; all of a part's chunks would not fit).
+    ``said``, the norm its report gave: largest first, so the proof handed on is small (a tiny
+    norm is beaten by one chunk, which fits one ``Evidence`` frame beside the report).
     None if even all of them are within it."""
     sized = []
     for frame in pushes:

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from peer.bans import MAX_EVIDENCE_FRAMES
-from protocol.butterfly import HEAD_ROOM
-from protocol.envelope import seal_parts, verify
+from peer.proof_pieces import MAX_PROOF_BYTES, PieceStore, seal_proof
+from protocol.envelope import verify
 from protocol.errors import RemoteProtocolError
-from protocol.evidence import proves
+from protocol.evidence import proof_digest, proves
 from protocol.identity import peer_id_from_public_key
-from protocol.messages_swarm import Evidence
+from protocol.messages_swarm import Evidence, EvidencePiece
 
 if TYPE_CHECKING:
     from peer.allreduce import Averager
@@ -37,7 +37,7 @@ _GOSSIP_PER_LIAR = 16  # peers we hand one proof to by gossip (each that checks 
 _SPREAD_MEMORY = 4096  # (member, liar) pairs we handed a proof to after a round (spread)
 _MAX_REFUSED = 16  # and that prove nothing: past either, its evidence is dropped unread
 _MAX_CHECKING = 8  # proofs handed to us waiting to be checked (one at a time); past it, or
-_MAX_CHECKING_BYTES = 128 << 20  # past their bytes, dropped unread
+_MAX_CHECKING_BYTES = MAX_PROOF_BYTES  # past their bytes, dropped unread
 
 
 def side_task(averager: Any, coro: Any) -> asyncio.Task[None]:
@@ -60,6 +60,7 @@ class ProofsMixin:
         self._refused: Counter[str] = Counter()  # peer ID -> evidence of theirs that proved nothing
         self._checking: set[asyncio.Task[None]] = set()  # checks of proof handed to us, under way or waiting
         self._checking_bytes = 0
+        self.pieces = PieceStore(self._refused)  # proofs handed to us in pieces, until whole
         self._one_check = asyncio.Semaphore(1)
         self._spread: set[tuple[str, bytes]] = set()  # (peer ID, liar's key): proofs we handed on (spread, gossip)
         self._gossiping = False
@@ -68,21 +69,27 @@ class ProofsMixin:
         """The signed frames that prove a key lied, if we keep them (the node's ``peer.bans``);
         called off the event loop."""
 
+    def _proven(self, frames: list[bytes], whole: bytes | None) -> tuple[bytes, str] | None:
+        """``proves``, for a proof whose frames hash to ``whole`` (if given)."""
+        if whole is not None and proof_digest(frames) != whole:
+            return None
+        return proves(frames, self.averager.run_id, self.clip, self.gate)
+
     def _share(self, rnd: Round, j: int, proof: tuple[bytes, ...]) -> None:
         """Hand the proof on to the group's other members: each checks it and bans the liar too,
         without auditing it itself."""
-        frame = self._evidence_frame(rnd.group.run_id, proof)
-        for i, peer_id in enumerate(rnd.peer_ids):
-            if frame is not None and i not in (rnd.me, j):
-                side_task(self.averager, self._send(peer_id, [frame], WAIT * rnd.group.deadline_s))
+        to = [p for i, p in enumerate(rnd.peer_ids) if i not in (rnd.me, j)]
+        if to:
+            side_task(self.averager, self._share_sealed(rnd.group.run_id, proof, to, WAIT * rnd.group.deadline_s))
 
-    def _evidence_frame(self, run_id: bytes, proof: tuple[bytes, ...]) -> list[Any] | None:
-        """``proof`` sealed as our ``Evidence`` frame, or None if it would not fit one."""
-        payload = msgpack.packb(list(proof), use_bin_type=True)
-        if len(payload) + HEAD_ROOM > self.averager.max_frame_bytes:
-            log.info("proof too large to hand on bytes=%d", len(payload))
-            return None
-        return seal_parts(Evidence(run_id=run_id, payload=payload), self.averager.identity)
+    async def _share_sealed(self, run_id: bytes, proof: tuple[bytes, ...], to: list[str], timeout: float) -> None:
+        frames = await asyncio.to_thread(self._evidence_frames, run_id, proof)  # (an audit's proof can be large)
+        for peer_id in to if frames is not None else ():
+            side_task(self.averager, self._send(peer_id, frames, timeout))
+
+    def _evidence_frames(self, run_id: bytes, proof: tuple[bytes, ...]) -> list[list[Any]] | None:
+        """``proof`` sealed as frames to hand on (``peer.proof_pieces.seal_proof``)."""
+        return seal_proof(proof, run_id, self.averager.identity, self.averager.max_frame_bytes)
 
     def spread(self, rnd: Round) -> None:
         """Members we banned were in this round's group (a leader that had not seen the proof
@@ -90,7 +97,9 @@ class ProofsMixin:
         and liar, so that a ban follows the liar into every group it joins beside a member that
         holds the proof, not only the group it lied to. Called once the round is over (the
         round's own sends go first), and at most as many bytes as we sent in the round: a
-        leader that keeps naming fresh keys beside a liar we banned cannot make us send more."""
+        leader that keeps naming fresh keys beside a liar we banned cannot make us send more.
+        The group's members are partners now (their proofs in pieces are held first)."""
+        self.pieces.partners([p for j, p in enumerate(rnd.peer_ids) if j != rnd.me])
         pending = []
         for i in sorted(rnd.excluded):
             key = bytes(rnd.group.members[i])
@@ -104,10 +113,10 @@ class ProofsMixin:
     async def _spread_proofs(self, rnd: Round, pending: list[tuple[bytes, list[str]]], budget: int) -> None:
         g = rnd.group
         for key, to in pending:
-            frame = await self._read_proof(key)
-            if frame is None:
+            frames = await self._read_proof(key)
+            if frames is None:
                 continue
-            size = sum(len(x) for x in frame)
+            size = sum(len(x) for f in frames for x in f)
             to = to[:budget // size]
             if not to:
                 log.info("proof against peer=%s not handed on this round: %d bytes, over what we sent",
@@ -120,7 +129,7 @@ class ProofsMixin:
             log.info("handing on our proof against peer=%s to peers=%s group=%s", peer_id_from_public_key(key),
                      to, g.group_id.hex())
             for peer_id in to:
-                side_task(self.averager, self._send(peer_id, [frame], WAIT * g.deadline_s))
+                side_task(self.averager, self._send(peer_id, frames, WAIT * g.deadline_s))
 
     async def gossip(self, lacking: list[tuple[str, bytes]], fanout: int, timeout: float,
                      prefer: frozenset[str] = frozenset()) -> int:
@@ -157,28 +166,28 @@ class ProofsMixin:
         return sent
 
     async def _hand_over(self, peer_id: str, key: bytes, timeout: float) -> bool:
-        frame = await self._read_proof(key)
-        if frame is None:
+        frames = await self._read_proof(key)
+        if frames is None:
             return False
         log.info("handing our proof against peer=%s to peer=%s (its heartbeat does not list the ban)",
                  peer_id_from_public_key(key), peer_id)
-        await self._send(peer_id, [frame], timeout)
+        await self._send(peer_id, frames, timeout)
         return True
 
-    async def _read_proof(self, key: bytes) -> list[Any] | None:
-        """Our saved proof against ``key`` as an ``Evidence`` frame, read from disk and sealed
-        off the event loop (an audit's proof can be large); None if we keep none (banned for
-        this session only), it would not fit a frame, or it cannot be read."""
+    async def _read_proof(self, key: bytes) -> list[list[Any]] | None:
+        """Our saved proof against ``key`` as frames to send (``_evidence_frames``), read from
+        disk and sealed off the event loop (an audit's proof can be large); None if we keep
+        none (banned for this session only), it cannot be handed on, or it cannot be read."""
         try:
             return await asyncio.to_thread(self._sealed_proof, self.averager.run_id, key)
         except Exception as e:  # noqa: BLE001  (a proof we cannot read: nothing to hand on)
             log.info("could not read our proof against peer=%s detail=%r", peer_id_from_public_key(key), e)
             return None
 
-    def _sealed_proof(self, run_id: bytes, key: bytes) -> list[Any] | None:
-        """Our saved proof against ``key`` as an ``Evidence`` frame, or None."""
+    def _sealed_proof(self, run_id: bytes, key: bytes) -> list[list[Any]] | None:
+        """Our saved proof against ``key`` as frames to send, or None."""
         proof = self.proof_of(key)
-        return self._evidence_frame(run_id, tuple(proof)) if proof else None
+        return self._evidence_frames(run_id, tuple(proof)) if proof else None
 
     def hand_on(self, rnd: Round, offences) -> None:
         """Proven lies seen in a round (``AllReduceOutcome.offences``): hand each proof on to the
@@ -197,15 +206,35 @@ class ProofsMixin:
         was started."""
         if self._refused[peer_id] >= _MAX_REFUSED or self._checked[peer_id] >= _MAX_CHECKED:
             return None
+        frames = self._unpack(peer_id, msg.payload)
+        return None if frames is None else self._take(peer_id, frames, None)
+
+    def evidence_piece(self, peer_id: str, msg: EvidencePiece) -> asyncio.Task[None] | None:
+        """A piece of a proof handed on in pieces (too large for one frame): held
+        (``peer.proof_pieces.PieceStore``, bounded) until every piece of it from ``peer_id`` is
+        in, then the whole is checked as ``evidence`` checks one (it proves nothing unless its
+        frames hash to ``msg.whole``). -> the check's task, if one was started."""
+        if self._refused[peer_id] >= _MAX_REFUSED or self._checked[peer_id] >= _MAX_CHECKED:
+            return None
+        frames = self._unpack(peer_id, msg.payload)
+        whole = None if frames is None else self.pieces.add(peer_id, msg, frames)
+        return None if whole is None else self._take(peer_id, whole, bytes(msg.whole))
+
+    def _unpack(self, peer_id: str, payload: bytes) -> list[bytes] | None:
+        """The frames in an ``Evidence`` (or piece) payload; None (and counted as refused) if it
+        is not a non-empty msgpack list of bytes."""
         try:
-            frames = msgpack.unpackb(msg.payload, raw=False, max_array_len=MAX_EVIDENCE_FRAMES,
-                                     max_bin_len=len(msg.payload))
+            frames = msgpack.unpackb(payload, raw=False, max_array_len=MAX_EVIDENCE_FRAMES, max_bin_len=len(payload))
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
             frames = None
         if not isinstance(frames, list) or not frames or not all(isinstance(f, bytes) for f in frames):
             self._refused[peer_id] += 1
             log.warning("evidence refused reason=unreadable peer=%s", peer_id)
             return None
+        return frames
+
+    def _take(self, peer_id: str, frames: list[bytes], whole: bytes | None) -> asyncio.Task[None] | None:
+        """Start the check of a proof's ``frames`` (which must hash to ``whole``, if given)."""
         try:  # whom it accuses (the signer of its first frame): no need to check proof we hold
             accused = verify(frames[0], run_id=self.averager.run_id, max_size=len(frames[0])).signer
         except RemoteProtocolError:
@@ -219,17 +248,18 @@ class ProofsMixin:
             return None
         self._checked[peer_id] += 1  # checks that run: a proof we hold already, or dropped unread, costs none
         self._checking_bytes += nbytes
-        task = side_task(self.averager, self._check_evidence(peer_id, frames, nbytes, accused))
+        task = side_task(self.averager, self._check_evidence(peer_id, frames, nbytes, accused, whole))
         self._checking.add(task)
         task.add_done_callback(self._checking.discard)
         return task
 
-    async def _check_evidence(self, peer_id: str, frames: list[bytes], nbytes: int, accused: bytes) -> None:
+    async def _check_evidence(self, peer_id: str, frames: list[bytes], nbytes: int, accused: bytes,
+                              whole: bytes | None) -> None:
         try:
             async with self._one_check:
                 if accused in self._convicted:
                     return  # proven by a check that ran while this one waited
-                proven = await asyncio.to_thread(proves, frames, self.averager.run_id, self.clip, self.gate)
+                proven = await asyncio.to_thread(self._proven, frames, whole)
         finally:
             self._checking_bytes -= nbytes
         if proven is None:

@@ -29,9 +29,11 @@ says a push was smaller than the pushes it signed for that part show (the least 
 they encode, since the norm of its own part is of the raw values) makes an honest mean look
 too large to one member: proof of a lie, found when an audit fetches the signed pushes.
 ``proves`` checks any evidence: one frame or two (or an audit's frames, or a report and
-pushes). Such a proof holds the report and the fewest chunks that beat it; a chunk of a
-full-size fp32 slice does not fit one ``Evidence`` frame beside the report, so that proof
-bans the liar where it was found and goes no further.
+pushes). Such a proof holds the report and the fewest chunks that beat it.
+
+A proof is handed on as one ``Evidence`` frame, or, when it does not fit one (an audit's
+proof of a large part), as ``EvidencePiece`` frames, each a run of its frames, with
+``proof_digest`` of the whole so that the receiver knows when it has all of it.
 """
 
 from __future__ import annotations
@@ -45,14 +47,20 @@ from protocol.audit import wrong_mean
 from protocol.codecs import get_codec
 from protocol.envelope import Verified, verify
 from protocol.errors import ProtocolError, RemoteProtocolError
-from protocol.messages import MAX_FRAME_BYTES
+from protocol.messages import MAX_FRAME_BYTES, digest
 from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
-__all__ = ["NORM_ROOM", "equivocation", "false_norm", "floor_squares", "offence", "own_contradiction", "proves"]
+__all__ = ["NORM_ROOM", "equivocation", "false_norm", "floor_squares", "offence", "own_contradiction", "proof_digest",
+           "proves"]
 
 NORM_ROOM = 1e-6
 """Relative room ``false_norm`` allows a reported norm for the float64 sums' order (an honest
 report's norm and a checker's differ by ~1e-15 relative)."""
+
+
+def proof_digest(frames: Sequence[bytes]) -> bytes:
+    """The digest of a proof's frames, in order (``EvidencePiece.whole``)."""
+    return digest(*(digest(f) for f in frames))
 
 
 def offence(frame: bytes, run_id: bytes) -> tuple[bytes, str] | None:

@@ -310,6 +310,30 @@ class Evidence(Message):
     payload: Bulk
 
 
+MAX_EVIDENCE_PIECES = 4096
+"""Pieces of one proof (no more than its frames: ``peer.bans.MAX_EVIDENCE_FRAMES``)."""
+
+
+@message(Tag.EVIDENCE_PIECE)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvidencePiece(Message):
+    """A piece of a proof too large for one ``Evidence`` frame (an audit's: a part's mean and
+    every input it averaged): ``payload`` is a msgpack list of consecutive frames of the proof,
+    the ``piece``-th of ``pieces``, and ``whole`` is ``protocol.evidence.proof_digest`` of all
+    of them in order, which the receiver checks once every piece is in, before it checks the
+    proof (``peer.proofs.ProofsMixin.evidence_piece``). The sender vouches for nothing."""
+
+    run_id: RunId
+    whole: Digest
+    piece: Annotated[int, Int(0, MAX_EVIDENCE_PIECES - 1)]
+    pieces: Annotated[int, Int(2, MAX_EVIDENCE_PIECES)]
+    payload: Bulk
+
+    def check(self) -> None:
+        if self.piece >= self.pieces:
+            raise FieldError(f"piece {self.piece} of {self.pieces}")
+
+
 # ---------------------------------------------------------------------------------------
 # State sync.
 

@@ -25,7 +25,8 @@ from protocol.butterfly import clip_scales, slice_bounds, slice_norm
 from peer.identity_store import load_or_create_identity
 from protocol.codecs import get_codec
 from protocol.envelope import seal
-from protocol.messages_swarm import PushSlice
+from protocol.messages import digest
+from protocol.messages_swarm import PushSlice, SliceAveraged
 from swarm_util import TIMED, kill_process_group
 
 pytestmark = pytest.mark.swarm
@@ -517,6 +518,35 @@ def test_a_banned_members_pushes_are_left_out_by_the_reducer_that_banned_it_and_
     assert peers[1].reply() == ("convicted", [peers[2].public_key])
     peers[2].cmd.put(("convicted", 0.5))
     assert peers[2].reply() == ("convicted", [])  # nobody hands the liar its own proof
+
+
+def test_a_proof_larger_than_a_frame_reaches_the_group_in_pieces(swarm, tmp_path):
+    """Peers whose frames are 16 KiB: member 0's proof against member 2 (two different means
+    it signed for one part, 12 KiB each) fits no frame, so it goes to member 1 as
+    ``EvidencePiece`` frames over the real streams, and member 1 bans member 2 on it (before
+    pieces, a proof larger than a frame stayed with the member that found it)."""
+    frame = 16 << 10
+    peers = swarm(3, max_frame_bytes=frame)
+    liar = load_or_create_identity(str(tmp_path / "peer2.key"))
+    assert liar.public_key == peers[2].public_key
+
+    def mean(value: float) -> bytes:
+        payload = get_codec("fp32").encode(torch.full((3000,), value))
+        return seal(SliceAveraged(run_id=RUN_ID, fragment=3, round=2, group_id=b"earlier".ljust(16, b"\0"), part=2,
+                                  offset=0, numel=3000, shape=(3000,), dtype="float32", codec="fp32", weight=3.0,
+                                  contributors=(0, 1, 2), inputs=b"i" * 32, own=digest(payload), payload=payload), liar)
+
+    proof = (mean(1.0), mean(2.0))
+    assert sum(map(len, proof)) > frame
+    peers[0].cmd.put(("ban", [_peer_id(peers[2].public_key)], {peers[2].public_key: proof}))
+    assert peers[0].reply()[0] == "banned"
+    fields = group_fields(peers, [1.0, 1.0, 1.0], "fp32", group_id=b"pieces".ljust(16, b"\0"), numel=30_000)
+    # (fp32, 30,000 elements: member 0 sends more in the round than the proof, which it may hand on after it)
+    for i, p in enumerate(peers):
+        p.cmd.put(("allreduce", fields, 700 + i, "honest"))
+    assert all(p.reply()[0] == "done" for p in peers)
+    peers[1].cmd.put(("convicted", 20.0))
+    assert peers[1].reply() == ("convicted", [peers[2].public_key])
 
 
 @TIMED

@@ -338,7 +338,7 @@ def test_spread_hands_a_saved_proof_on_after_the_round_within_the_bytes_it_sent(
     rnd = Round(g, 0, torch.zeros(60), get_codec("fp32"), 2.0, excluded=frozenset({banned}))
     liar = Identity.from_seed(bytes([0x91]) * 32)
     audits, sent = _recording_holder(liar, monkeypatch)
-    size = sum(len(x) for x in audits._sealed_proof(RUN, liar.public_key))
+    size = sum(len(x) for frame in audits._sealed_proof(RUN, liar.public_key) for x in frame)
 
     async def rounds() -> None:
         rnd.sent[0] = 2 * size + 1  # room for two of the four members

@@ -22,7 +22,7 @@ from protocol.messages import (
 )
 from protocol.messages_rules import Bool, Bytes, ConfigOf, Float, Int, Opt, Payload, Seq, Str
 from protocol.messages_control import StatusReported
-from protocol.messages_swarm import GroupFormed, Heartbeat, PushSlice, SliceAveraged, StateIndex
+from protocol.messages_swarm import EvidencePiece, GroupFormed, Heartbeat, PushSlice, SliceAveraged, StateIndex
 
 fast = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -131,6 +131,9 @@ STRATEGIES[PushSlice] = slice_strategy(PushSlice)
 STRATEGIES[SliceAveraged] = slice_strategy(SliceAveraged)
 STRATEGIES[GroupFormed] = groups()
 STRATEGIES[StateIndex] = state_indexes()
+STRATEGIES[EvidencePiece] = st.integers(2, 4096).flatmap(lambda n: st.builds(
+    EvidencePiece, run_id=st.binary(min_size=20, max_size=20), whole=st.binary(min_size=32, max_size=32),
+    piece=st.integers(0, n - 1), pieces=st.just(n), payload=st.binary(max_size=64)))
 ALL_TYPES = sorted(message_types().values(), key=lambda c: c.TAG)
 any_message = st.sampled_from(ALL_TYPES).flatmap(lambda c: STRATEGIES[c])
 
