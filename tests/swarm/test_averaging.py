@@ -34,6 +34,7 @@ CTX = mp.get_context("spawn")
 RUN_ID = bytes(range(20))
 NUMEL = 10_001  # not divisible by the group sizes: slices of unequal length
 REPLY_TIMEOUT = 45.0
+STARTUP_TIMEOUT = 180.0  # a peer process's start (spawn, imports, its p2p daemon), several at once on a busy machine
 CLIP = 2.0  # the averagers' sync.clip (the default is 1; at 2 no honest slice here is clipped, so a
 # round's `clipped` names only a liar): the references below use it too
 
@@ -310,10 +311,10 @@ def swarm(tmp_path):
             peers.append(peer)
             new.append(peer)
             if len(peers) == 1:  # the others need its address
-                _, peer.maddrs, peer.public_key, peer.daemon_pid = peer.reply(60)
+                _, peer.maddrs, peer.public_key, peer.daemon_pid = peer.reply(STARTUP_TIMEOUT)
         for peer in new:
             if not peer.public_key:
-                kind, peer.maddrs, peer.public_key, peer.daemon_pid = peer.reply(60)
+                kind, peer.maddrs, peer.public_key, peer.daemon_pid = peer.reply(STARTUP_TIMEOUT)
                 assert kind == "ready"
         return new
 
