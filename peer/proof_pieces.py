@@ -41,6 +41,8 @@ FRAME_COST = 64
 """Bytes a frame of a piece counts beyond its length: what holding it costs us."""
 PARTNERS = 1024
 """Peers that were in our groups, remembered (their pieces are held before strangers')."""
+MEMORY = 4096
+"""Proofs dropped remembered, by sender, for ``PIECES_TTL`` (the rest of their pieces is ignored)."""
 
 
 def seal_proof(proof: tuple[bytes, ...], run_id: bytes, identity: Identity, limit: int) -> list[list[Any]] | None:
@@ -49,7 +51,7 @@ def seal_proof(proof: tuple[bytes, ...], run_id: bytes, identity: Identity, limi
     logged) when a receiver could not take it: larger than ``MAX_PROOF_BYTES``, more than
     ``MAX_EVIDENCE_FRAMES`` frames, or a frame that no piece can hold."""
     nbytes = sum(len(f) for f in proof)
-    if nbytes > MAX_PROOF_BYTES or len(proof) > MAX_EVIDENCE_FRAMES:
+    if nbytes + FRAME_COST * len(proof) > MAX_PROOF_BYTES or len(proof) > MAX_EVIDENCE_FRAMES:
         log.info("proof too large to hand on: %d frames, %d bytes", len(proof), nbytes)
         return None
     if nbytes + 5 * len(proof) + 5 < limit:
@@ -96,12 +98,19 @@ class PieceStore:
     most ``PER_SENDER`` proofs per sender (another drops its oldest) and half of
     ``MAX_PIECES_BYTES``; each held at most ``PIECES_TTL`` seconds from its first piece (one
     that expires counts in ``refused`` against its sender, as a proof that proved nothing); a
-    frame counts ``FRAME_COST`` bytes beyond its length. Past ``MAX_PIECES_BYTES`` in all, a
-    piece makes room by dropping, oldest first, the less complete copy of a proof held from
-    two senders, then pieces from peers that never were in a group with us (``partners``),
-    then, for a partner's piece only, other partners'; never another copy of its own proof;
-    else it is dropped itself. So a stranger's pieces never push out a partner's proof, and an
-    honest holder can hand us two proofs at once, or several members the same one."""
+    frame counts ``FRAME_COST`` bytes beyond its length. A proof we dropped is dropped for
+    good from that sender (the rest of its pieces is ignored, not held until it expires).
+    Past ``MAX_PIECES_BYTES`` in all, a piece makes room by dropping pieces of peers that
+    never were in a group with us (strangers: not ``partners``): spare copies first (copies of
+    a proof a partner holds too, or all but the largest of one proof's copies), the fewest
+    bytes first, then the oldest; a stranger's piece never drops a copy of its own proof. Only
+    a partner's piece goes on to other partners' (spare copies, then the oldest; not its own
+    proof's); else the piece is dropped itself. So strangers' pieces, also ones that name an
+    honest proof's digest, never push out a partner's, and a partner's pushes out strangers'
+    copies of its own proof (a liar knows the digest of the proof against it); one holder
+    can hand us two proofs at once (together within its half), several members the same one.
+    A key that was once in a group with us is a partner: it can push other partners' pieces
+    out, oldest first, within its half."""
 
     def __init__(self, refused: Counter[str]):
         self.refused = refused
@@ -109,6 +118,16 @@ class PieceStore:
         self.nbytes = 0
         self._partners: dict[str, None] = {}  # least recent first
         self._timer: asyncio.TimerHandle | None = None
+        self._gone: dict[Any, float] = {}  # (sender, whole) we dropped: the rest of its pieces is ignored
+
+    @staticmethod
+    def _remember(memory: dict[Any, float], what: Any) -> None:
+        """Note ``what`` for ``PIECES_TTL`` seconds (at most ``MEMORY`` entries, oldest out first)."""
+        now = time.monotonic()
+        memory.pop(what, None)
+        memory[what] = now
+        while memory and (len(memory) > MEMORY or now - next(iter(memory.values())) > PIECES_TTL):
+            memory.pop(next(iter(memory)))
 
     def partners(self, peer_ids: list[str]) -> None:
         """Peers that were in a group with us now."""
@@ -122,9 +141,11 @@ class PieceStore:
         """Take a piece (its frames, unpacked). -> the proof's frames, in order, once it is whole."""
         self.expire()
         key = (peer_id, bytes(msg.whole))
+        if self._gone.get(key, -PIECES_TTL) > time.monotonic() - PIECES_TTL:
+            return None  # the rest of a proof we dropped: no use holding it (nor charging its sender for it)
         held = self.held.get(key)
         if held is not None and held.pieces != msg.pieces:
-            self.drop(key, "its count of pieces changed")
+            self.drop(key, "its count of pieces changed", gone=False)
             held = None
         if held is None:
             mine = [k for k in self.held if k[0] == peer_id]
@@ -151,25 +172,39 @@ class PieceStore:
         self.nbytes += size
         if len(held.got) < held.pieces:
             return None
-        self.drop(key, "")
+        self.drop(key, "", gone=False)
         return [f for i in range(held.pieces) for f in held.got[i]]
 
     def _room(self, key: tuple[str, bytes], size: int) -> bool:
+        """Make room for ``size`` more bytes of proof ``key`` (see the class docstring). -> whether it fits."""
         def fits() -> bool:
             return self.nbytes + size <= MAX_PIECES_BYTES
 
-        others = [k for k in self.held if k[1] != key[1]]  # oldest first; never a copy of this proof
-        twice = Counter(k[1] for k in self.held)
-        copies = sorted((k for k in others if twice[k[1]] > 1), key=lambda k: len(self.held[k].got))
-        order = copies + [k for k in others if k[0] not in self._partners]
-        if key[0] in self._partners:
-            order += [k for k in others if k[0] in self._partners]
+        partner = key[0] in self._partners
+        order = self._droppable([k for k in self.held if k[0] not in self._partners], key, own=partner)
+        if partner:
+            order += self._droppable([k for k in self.held if k[0] in self._partners], key, own=False)
         for k in order:
             if fits():
                 break
-            if k in self.held and (k not in copies or sum(j[1] == k[1] for j in self.held) > 1):
+            if k in self.held:
                 self.drop(k, "out of room")
         return fits()
+
+    def _droppable(self, keys: list[tuple[str, bytes]], key: tuple[str, bytes], own: bool) -> list[tuple[str, bytes]]:
+        """``keys`` (one class of sender, oldest first) in the order they make room for ``key``:
+        spare copies first (a copy of a proof that a partner holds too, when ``keys`` are
+        strangers'; else all but the largest of a proof's copies in ``keys``), the fewest bytes
+        first; then the rest, oldest first. Copies of ``key``'s own proof only if ``own``."""
+        keys = [k for k in keys if k != key and (own or k[1] != key[1])]
+        by_partner = {k[1] for k in self.held if k[0] in self._partners}
+        spare: list[tuple[str, bytes]] = []
+        for whole in {k[1] for k in keys}:
+            copies = sorted((k for k in keys if k[1] == whole), key=lambda k: self.held[k].nbytes)
+            strangers = all(k[0] not in self._partners for k in copies)
+            spare += copies if strangers and whole in by_partner else copies[:-1]
+        spare.sort(key=lambda k: self.held[k].nbytes)
+        return spare + [k for k in keys if k not in spare]
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -194,9 +229,12 @@ class PieceStore:
         oldest = min(h.since for h in self.held.values())
         self._timer = loop.call_later(max(0.0, oldest + PIECES_TTL - time.monotonic()) + 0.01, fire)
 
-    def drop(self, key: tuple[str, bytes], why: str) -> None:
+    def drop(self, key: tuple[str, bytes], why: str, gone: bool = True) -> None:
+        """Drop a proof's pieces; ``gone``: and ignore the rest of its pieces from that sender."""
         held = self.held.pop(key)
         self.nbytes -= held.nbytes
+        if gone:
+            self._remember(self._gone, key)
         if why:
             log.info("pieces of evidence dropped unread peer=%s: %s (%d of %d pieces, %d bytes)", key[0], why,
                      len(held.got), held.pieces, held.nbytes)

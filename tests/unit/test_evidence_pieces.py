@@ -154,6 +154,62 @@ def test_a_strangers_pieces_never_push_out_a_partners_proof(monkeypatch):
     assert ("partner", b"Q" * 32) in store.held and store.nbytes <= 8 * 1000 and len(store.held) == 3
 
 
+def test_strangers_copies_of_a_partners_proof_never_push_it_out_and_the_partner_pushes_theirs_out(monkeypatch):
+    """A second review's repros: the copies rule ran first and ignored who sent a copy, so
+    strangers' junk dropped a partner's copy of a proof (the less complete one) and then the
+    stranger's; and strangers holding pieces that name an honest proof's digest (a liar knows
+    it) blocked the partner's pieces of it, since a piece never dropped a copy of its own proof."""
+    store, _ = _store(monkeypatch, 40_000)
+    store.partners(["partner"])
+    w = b"W" * 32
+    for i in range(6):
+        store.add("partner", *_piece(w, i, 10, [bytes([i]) * 900]))
+    for i in range(8):
+        store.add("honest stranger", *_piece(w, i, 10, [bytes([i]) * 900]))
+    for k in range(30):
+        store.add(f"junk{k}", *_piece(bytes([k]) * 32, 0, 2, [b"\0" * 4000]))
+        assert ("partner", w) in store.held
+    store, _ = _store(monkeypatch, 40_000)
+    store.partners(["partner"])
+    for f in ("fake1", "fake2"):  # half the room each, all naming the partner's proof
+        for i in range(4):
+            store.add(f, *_piece(w, i, 10, [b"\0" * 4900]))
+    assert store.nbytes > 39_000
+    frames = [bytes([i]) * 900 for i in range(10)]
+    got = [store.add("partner", *_piece(w, i, 10, frames[i:i + 1])) for i in range(10)]
+    assert got[-1] == frames and store.nbytes <= 40_000
+
+
+def test_the_rest_of_a_proof_we_dropped_is_ignored_and_costs_its_sender_nothing(monkeypatch):
+    """One holder's two proofs at once, together over its half: the second is dropped, and
+    its later pieces are not held again until they expire and count against the honest
+    holder (a second review's repro), nor is a copy we dropped for room."""
+    store, refused = _store(monkeypatch, 20_000)
+    a, b = [bytes([1]) * 1900] * 4, [bytes([2]) * 1900] * 4
+    whole = []
+    for i in range(4):
+        whole.append(store.add("holder", *_piece(b"A" * 32, i, 4, a[i:i + 1])))
+        whole.append(store.add("holder", *_piece(b"B" * 32, i, 4, b[i:i + 1])))
+    assert [w for w in whole if w is not None] == [a]
+    assert not store.held and not refused  # B's later pieces were not held again (to expire against it)
+
+
+def test_what_a_sender_seals_a_receiver_takes_whole(monkeypatch):
+    """``seal_proof``'s limit counts a frame as the receiver does (its bytes and 64 more): a
+    proof just under it goes in pieces that a receiver's half holds, one just over it is kept."""
+    monkeypatch.setattr(proof_pieces, "MAX_PROOF_BYTES", 10_000)
+    store, _ = _store(monkeypatch, 20_000)
+    fits = tuple(bytes([i]) * 900 for i in range(10))  # 9,000 bytes + 640
+    assert seal_proof(tuple(bytes([i]) * 990 for i in range(10)), RUN, KEYS[3], 4 * HEAD_ROOM) is None  # 9,900 + 640
+    sealed = seal_proof(fits, RUN, KEYS[3], 2 * HEAD_ROOM)
+    assert sealed is not None and len(sealed) > 1
+    out = None
+    for parts in sealed:
+        msg = verify(b"".join(bytes(x) for x in parts), expect=EvidencePiece).message
+        out = store.add("holder", msg, msgpack.unpackb(msg.payload))
+    assert out == list(fits)
+
+
 def test_pieces_held_are_bounded_per_sender_per_frame_and_in_time(monkeypatch):
     """At most two proofs in pieces per sender (a third drops its oldest) and half the room;
     each frame counts beyond its bytes (4,096 empty frames once held 647 KiB counted as 0);
