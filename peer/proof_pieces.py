@@ -180,6 +180,8 @@ class PieceStore:
         def fits() -> bool:
             return self.nbytes + size <= MAX_PIECES_BYTES
 
+        if fits():  # (the usual case: no order to work out)
+            return True
         partner = key[0] in self._partners
         order = self._droppable([k for k in self.held if k[0] not in self._partners], key, own=partner)
         if partner:
@@ -198,13 +200,17 @@ class PieceStore:
         first; then the rest, oldest first. Copies of ``key``'s own proof only if ``own``."""
         keys = [k for k in keys if k != key and (own or k[1] != key[1])]
         by_partner = {k[1] for k in self.held if k[0] in self._partners}
+        of: dict[bytes, list[tuple[str, bytes]]] = {}  # whole -> its copies in keys (one pass, not one per proof)
+        for k in keys:
+            of.setdefault(k[1], []).append(k)
         spare: list[tuple[str, bytes]] = []
-        for whole in {k[1] for k in keys}:
-            copies = sorted((k for k in keys if k[1] == whole), key=lambda k: self.held[k].nbytes)
+        for whole, copies in of.items():
+            copies.sort(key=lambda k: self.held[k].nbytes)
             strangers = all(k[0] not in self._partners for k in copies)
             spare += copies if strangers and whole in by_partner else copies[:-1]
         spare.sort(key=lambda k: self.held[k].nbytes)
-        return spare + [k for k in keys if k not in spare]
+        first = set(spare)
+        return spare + [k for k in keys if k not in first]
 
     def expire(self) -> None:
         now = time.monotonic()
