@@ -68,7 +68,10 @@ Finals. A member that finishes sends every other member the parts it landed (a f
 started so late that the others landed before its part existed (it was starved, or busy
 with its previous round) falls back on its own part as they did (``Round.conform``), and
 takes the parts they landed from their finished rounds: one result for the group, not a
-repair rounds later.
+repair rounds later. With its final a member relays the finals it got from the others, as
+signed, and a final that comes after it landed naming other parts it relays to the group: two
+finals one key signed for a round that name different parts are proof that it lied
+(``protocol.evidence.contradicting_finals``; banned, and handed on: ``Audits.found``).
 
 Fallback. A part that nobody reported holding by then (its reducer died, or failed every
 member) holds *this member's own value* in the returned average, and is listed in
@@ -130,9 +133,10 @@ __all__ = ["HANDLER_PREFIX", "AllReduceOutcome", "Averager", "Group", "chunk_ele
 
 log = logging.getLogger(__name__)
 
-HANDLER_PREFIX = "swarmstream-avg-v8-"  # v2: acknowledged frames (peer.outbox); v3: norms; v4: audits; v5: finals;
+HANDLER_PREFIX = "swarmstream-avg-v9-"  # v2: acknowledged frames (peer.outbox); v3: norms; v4: audits; v5: finals;
 # v6: PushSlice.stopping; v7: PartsHeld.dots, and norms of the pushes as decoded; v8: witnesses (a reducer's own
-# slice, encoded, to two members; SliceAveraged.own, PartsHeld.witness)
+# slice, encoded, to two members; SliceAveraged.own, PartsHeld.witness); v9: finals relayed (a v8 peer takes a
+# final signed by another member than the stream's for a lie of the relayer's)
 RESULT_GRACE = 0.5  # reduced parts are due by (1 + RESULT_GRACE) * deadline_s
 AGREE_GRACE = 1.0  # reports and forwarded parts by (1 + AGREE_GRACE) * deadline_s
 SCREEN_AUDIT_WAIT = 1.0  # x deadline_s: how long we wait, before landing, for the audits of parts the screen refused

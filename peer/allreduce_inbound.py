@@ -61,7 +61,9 @@ class InboundMixin:
             if self.audits.take(peer_id, v, data):  # the inputs of a mean we audit, shown by its reducer
                 return None
             forwarded = v.peer_id != peer_id
-            if forwarded and not isinstance(v.message, SliceAveraged):  # only reduced parts are forwarded
+            relayed = isinstance(v.message, PartsHeld) and v.message.final
+            if forwarded and not (isinstance(v.message, SliceAveraged) or relayed):  # only reduced parts and
+                # finals are handed on
                 verify(data, run_id=self.run_id, sender=peer_id, max_size=self.max_frame_bytes)  # raises
         except RemoteProtocolError as e:
             self._blame(peer_id, peek_group(data), f"{type(e).__name__}:{e}")
@@ -78,6 +80,12 @@ class InboundMixin:
         gid = bytes(v.message.group_id)  # type: ignore[attr-defined]
         nbytes = HEADER_LEN + len(data)
         rnd = self._active.get(gid)
+        if forwarded and isinstance(v.message, PartsHeld):  # a member's final, relayed by another
+            rnd = rnd or self._recent.get(gid)
+            if rnd is not None:
+                rnd.accept_relayed_final(peer_id, v, data)
+                self._after_final(rnd, rnd.index.get(v.peer_id))
+            return None
         if forwarded:  # a part we reported lacking; unasked for outside a round, so not buffered
             if rnd is not None:
                 rnd.accept_forwarded(peer_id, v, nbytes, data)
@@ -86,6 +94,8 @@ class InboundMixin:
             return None
         if rnd is not None:
             rnd.accept(peer_id, v, nbytes, data)
+            if isinstance(v.message, PartsHeld) and v.message.final:
+                self._after_final(rnd, rnd.index.get(peer_id))
             if isinstance(v.message, (PartsHeld, SliceAveraged)) and rnd.agreeing:  # a part may have come
                 self._forward(rnd, rnd.tasks)  # whole from its reducer after a member reported lacking it
             elif isinstance(v.message, PushSlice):
@@ -93,6 +103,8 @@ class InboundMixin:
         elif gid in self._recent and isinstance(v.message, PartsHeld):
             rnd = self._recent[gid]
             rnd.accept(peer_id, v, nbytes, data)  # a member late to the agreement: it may lack a part
+            if v.message.final:
+                self._after_final(rnd, rnd.index.get(peer_id))
             self._forward(rnd, self._side_tasks)
             if rnd.said_agreed and (apart := [i for i in rnd.apart() if i not in rnd.convicted]):  # (not a proven liar's)
                 self._found_apart(rnd, apart)
@@ -110,6 +122,16 @@ class InboundMixin:
                                    and peer_id not in self.banned):
             return None  # dropped at a limit of ours: its stream's end says nothing about the sender
         return None if isinstance(v.message, PartsHeld) else (gid, type(v.message), v.message.part)
+
+    def _after_final(self, rnd: Any, k: int | None) -> None:
+        """After member k's final came (from it, or relayed): act on proof that a member signed
+        two different finals (``Round.final_proofs``: banned, the proof handed to the group), and
+        relay k's final to the others if it names other parts than we landed (``_relay_final``)."""
+        proofs, rnd.final_proofs = rnd.final_proofs, []
+        for j, why, proof in proofs:
+            self.audits.found(rnd, j, why, proof)
+        if k is not None and rnd.landed and k in rnd.finals and rnd.finals[k] != rnd.landed and k not in rnd.proven:
+            self._relay_final(rnd, k)
 
     def _found_apart(self, rnd: Any, apart: list[int]) -> None:
         """A round we said agreed, and a believed member's final came after it saying it landed

@@ -40,7 +40,8 @@ Three phases:
    part than landed it or will (``conform``). So the first finishers' decision stands, and
    the later ones follow it. A single member's final cannot make another fall back on a part
    that came on time, nor outvote an honest member that landed the part or, other than the
-   part's reducer, has yet to land it.
+   part's reducer, has yet to land it. Finals are relayed (``peer.allreduce_send``), and a
+   second final of one member naming other parts proves it lied (``final_proofs``).
 """
 
 from __future__ import annotations
@@ -189,6 +190,10 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin, ReduceMixin)
         self.landed: tuple[bytes, ...] = ()  # the parts we landed, once finished (our final report)
         self.said_agreed = False  # what our outcome said (a final that comes after it may belie it)
         self.told: set[int] = set()  # members we sent our final report
+        self.final_frames: dict[int, bytes] = {}  # member -> its final as signed (from it, or relayed)
+        self.relayed: set[int] = set()  # members whose final we relayed to the others after we landed
+        # (member, what it did, the two finals it signed): found since the averager last looked
+        self.final_proofs: list[tuple[int, str, tuple[bytes, bytes]]] = []
         self.report_norms: dict[int, tuple[float, ...]] = {}  # member -> its slices' norms, as it reported them
         self.report_frames: dict[int, bytes] = {}  # member -> its report as signed (peer.audit: a false norm)
         # part -> when two members other than its reducer had reported it held with one digest (one

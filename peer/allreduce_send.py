@@ -73,20 +73,37 @@ class SendMixin:
 
     def _tell_landed(self, rnd: Round, members: list[int], again: bool = False) -> None:
         """Send ``members`` our final report: the parts we landed (``Round.landed``), each once
-        (``again``: also to one told already, in answer to its report: one frame per report)."""
+        (``again``: also to one told already, in answer to its report: one frame per report),
+        and with it the finals we got from the others, as they signed them (relayed): a member
+        that told two members different things about what it landed is proven by the pair
+        (``protocol.evidence.contradicting_finals``), which only a relay brings together."""
         members = [i for i in members if (again or i not in rnd.told) and i != rnd.me]
         if not rnd.landed or not members:
             return
         g = rnd.group
         final = PartsHeld(run_id=g.run_id, fragment=g.fragment, round=g.round, group_id=g.group_id,
                           digests=rnd.landed, final=True)
-        frames = [seal_parts(final, self.identity)]
+        ours = seal_parts(final, self.identity)
         deadline = asyncio.get_running_loop().time() + g.deadline_s
         for i in members:
             rnd.told.add(i)
-            task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))
-            self._side_tasks.add(task)
-            task.add_done_callback(self._side_tasks.discard)
+            self._side_send(rnd, i, [ours, *([f] for k, f in sorted(rnd.final_frames.items()) if k != i)], deadline)
+
+    def _relay_final(self, rnd: Round, k: int) -> None:
+        """Member k's final came after we landed, naming other parts than we did: relay it, as
+        signed, to the other members (once), which may hold another final of k's."""
+        if k in rnd.relayed or k not in rnd.final_frames:
+            return
+        rnd.relayed.add(k)
+        deadline = asyncio.get_running_loop().time() + rnd.group.deadline_s
+        for i in range(rnd.n):
+            if i not in (rnd.me, k) and i not in rnd.gone:
+                self._side_send(rnd, i, [[rnd.final_frames[k]]], deadline)
+
+    def _side_send(self, rnd: Round, i: int, frames: list[list[Any]], deadline: float) -> None:
+        task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
 
     async def _send_frames(self, peer_id: str, frames: list[list[Any]]) -> int:
         """Send frames (sealed parts) to ``peer_id`` until each is acknowledged (``peer.outbox``).

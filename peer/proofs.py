@@ -189,6 +189,17 @@ class ProofsMixin:
         proof = self.proof_of(key)
         return self._evidence_frames(run_id, tuple(proof)) if proof else None
 
+    def found(self, rnd: Round, j: int, why: str, proof: tuple[bytes, ...]) -> None:
+        """Proof that member j lied, found by the round's intake after it ended or while it runs
+        (two finals it signed that differ): ban it now (the node drains ``offences``) and hand
+        the proof to the group's other members."""
+        key = bytes(rnd.group.members[j])
+        if key in self._convicted or key == self.averager.identity.public_key:
+            return
+        log.warning("peer=%s proven to have lied in group=%s: %s", rnd.peer_ids[j], rnd.group.group_id.hex(), why)
+        self._convict(key, why, proof)
+        self._share(rnd, j, proof)
+
     def hand_on(self, rnd: Round, offences) -> None:
         """Proven lies seen in a round (``AllReduceOutcome.offences``): hand each proof on to the
         group's other members, who may not have seen it (a bad push reaches one reducer only)."""

@@ -12,7 +12,7 @@ import time
 from protocol.envelope import Verified
 from protocol.errors import RemoteProtocolError
 from protocol.butterfly import on_grid
-from protocol.evidence import equivocation, offence
+from protocol.evidence import contradicting_finals, equivocation, offence
 from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
 from peer.round_agreement import LATE
@@ -46,7 +46,7 @@ class IntakeMixin:
         self.heard.add(i)  # it is in this round (peer.quiet)
         msg = v.message
         if isinstance(msg, PartsHeld):  # also from a member we dropped: it may need our parts
-            if self._accept_report(i, msg):
+            if self._accept_report(i, msg, data):
                 self.report_frames[i] = bytes(data)  # as signed: proof, if an audit shows it lied (peer.audit)
             return
         late = self.dropped.get(i, "").startswith(LATE)
@@ -198,20 +198,27 @@ class IntakeMixin:
         self.repaired.add(j)
         log.info("reduced part repaired part=%d from=%s group=%s", j, self.peer_ids[f], self.group.group_id.hex())
 
-    def _accept_report(self, i: int, msg: PartsHeld) -> bool:
-        """-> True if ``msg`` is member i's report (not a final), taken now."""
+    def accept_relayed_final(self, relayer: str, v: Verified, data: bytes) -> None:
+        """A final report signed by a member, relayed by another (``peer.allreduce_send``: each
+        member hands on the finals it got, so that two different ones from one key meet). Taken
+        as the signer's word, as if it had sent it to us."""
+        f, j, msg = self.index.get(relayer), self.index.get(v.peer_id), v.message
+        if f is None or j is None or j == self.me or not isinstance(msg, PartsHeld) or not msg.final:
+            log.warning("rejected relayed final reason=not_a_member peer=%s group=%s", relayer,
+                        self.group.group_id.hex())
+            return
+        self.heard.add(f)
+        self._accept_report(j, msg, data)
+
+    def _accept_report(self, i: int, msg: PartsHeld, data: bytes) -> bool:
+        """-> True if ``msg`` (signed as ``data``) is member i's report (not a final), taken now."""
         if len(msg.digests) != self.n:
             log.warning("rejected report reason=%d_parts_for_%d_members peer=%s", len(msg.digests), self.n,
                         self.peer_ids[i])
             return False
         digests = tuple(bytes(d) for d in msg.digests)
         if msg.final:
-            if i not in self.finals:
-                self.finals[i] = digests
-                if self.landed and digests != self.landed:
-                    log.warning("a member landed other parts than we did peer=%s group=%s", self.peer_ids[i],
-                                self.group.group_id.hex())
-                self.changed.set()
+            self._take_final(i, digests, bytes(data))
             return False
         if i in self.reports:
             return False  # one report per member and round
@@ -229,6 +236,31 @@ class IntakeMixin:
                     self.held_since.setdefault(j, time.monotonic())  # the event loop's clock
         self.changed.set()
         return True
+
+    def _take_final(self, i: int, digests: tuple[bytes, ...], data: bytes) -> None:
+        """Member i's final: the first is taken. A member lands once and tells every member the
+        same, so a second naming other parts proves that it told members different things
+        (``protocol.evidence.contradicting_finals``): it is ``proven`` (its finals count for
+        nothing, ``AgreementMixin._believed``), and the proof waits in ``final_proofs``."""
+        if i not in self.finals:
+            self.finals[i] = digests
+            self.final_frames[i] = data
+            if self.landed and digests != self.landed:
+                log.warning("a member landed other parts than we did peer=%s group=%s", self.peer_ids[i],
+                            self.group.group_id.hex())
+            self.changed.set()
+            return
+        first = self.final_frames.get(i)
+        if digests == self.finals[i] or first is None or i in self.proven:
+            return
+        proven = contradicting_finals(first, data, self.group.run_id)
+        if proven is None:
+            return
+        log.warning("a member signed two different finals for this round: proof that it lied peer=%s group=%s",
+                    self.peer_ids[i], self.group.group_id.hex())
+        self.proven.add(i)
+        self.final_proofs.append((i, proven[1], (first, data)))
+        self.changed.set()
 
     def _check_slice(self, msg: PushSlice | SliceAveraged, part: int, covered: int) -> None:
         g = self.group

@@ -31,6 +31,13 @@ too large to one member: proof of a lie, found when an audit fetches the signed 
 ``proves`` checks any evidence: one frame or two (or an audit's frames, or a report and
 pushes). Such a proof holds the report and the fewest chunks that beat it.
 
+Contradicting finals (``contradicting_finals``): a member that finishes a round tells every
+other member, in a final report (``PartsHeld`` with ``final``), which parts it landed. It
+lands once per round and sends that one tuple to every member (and again, the same, in answer
+to a late report), so two finals it signed for one group that name different parts prove that
+it told members different things about what it landed (members relay the finals they got, so
+that such a pair meets: ``peer.allreduce_send``).
+
 A proof is handed on as one ``Evidence`` frame, or, when it does not fit one (an audit's
 proof of a large part), as ``EvidencePiece`` frames, each a run of its frames, with
 ``proof_digest`` of the whole so that the receiver knows when it has all of it.
@@ -50,8 +57,8 @@ from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.messages import MAX_FRAME_BYTES, digest
 from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
-__all__ = ["NORM_ROOM", "equivocation", "false_norm", "floor_squares", "offence", "own_contradiction", "proof_digest",
-           "proves"]
+__all__ = ["NORM_ROOM", "contradicting_finals", "equivocation", "false_norm", "floor_squares", "offence",
+           "own_contradiction", "proof_digest", "proves"]
 
 NORM_ROOM = 1e-6
 """Relative room ``false_norm`` allows a reported norm for the float64 sums' order (an honest
@@ -97,6 +104,27 @@ def equivocation(frame_a: bytes, frame_b: bytes, run_id: bytes) -> tuple[bytes, 
         return None  # the same mean (a resend): honest
     return a.signer, (f"SliceAveraged: two different means of part {ma.part} of one group "
                       f"(round {ma.round}, fragment {ma.fragment}) sent to different members")
+
+
+def contradicting_finals(frame_a: bytes, frame_b: bytes, run_id: bytes) -> tuple[bytes, str] | None:
+    """(the member's key, what it did) if the two frames are final ``PartsHeld`` of run
+    ``run_id``, both validly signed by one key, for the same fragment, round and group, naming
+    different parts landed; None otherwise (the same final twice is a resend)."""
+    try:
+        a = verify(frame_a, expect=(PartsHeld,), run_id=run_id, max_size=MAX_FRAME_BYTES)
+        b = verify(frame_b, expect=(PartsHeld,), run_id=run_id, max_size=MAX_FRAME_BYTES)
+    except RemoteProtocolError:
+        return None
+    ma, mb = a.message, b.message
+    assert isinstance(ma, PartsHeld) and isinstance(mb, PartsHeld)
+    if a.signer != b.signer or not (ma.final and mb.final):
+        return None
+    if (ma.fragment, ma.round, bytes(ma.group_id)) != (mb.fragment, mb.round, bytes(mb.group_id)):
+        return None
+    if tuple(bytes(d) for d in ma.digests) == tuple(bytes(d) for d in mb.digests):
+        return None
+    return a.signer, (f"PartsHeld: two different finals (the parts it landed) for one group (round {ma.round}, "
+                      f"fragment {ma.fragment}) sent to different members")
 
 
 def own_contradiction(mean_frame: bytes, own_frame: bytes, run_id: bytes) -> tuple[bytes, str] | None:
@@ -163,7 +191,7 @@ def false_norm(frames: Sequence[bytes], run_id: bytes) -> tuple[bytes, str] | No
 
 def proves(frames: Sequence[bytes], run_id: bytes, clip: float = 0.0, gate: bool = False) -> tuple[bytes, str] | None:
     """What ``frames`` prove, if anything: one frame through ``offence``, a report and pushes
-    through ``false_norm``, two through ``equivocation`` (or, failing that, an audit), more
+    through ``false_norm``, two through ``equivocation`` or ``contradicting_finals`` (or, failing that, an audit), more
     through ``protocol.audit.wrong_mean``
     (a part's mean and the inputs its reducer showed; ``clip``, ``gate``: the run's sync.clip
     and sync.gate).
@@ -173,6 +201,8 @@ def proves(frames: Sequence[bytes], run_id: bytes, clip: float = 0.0, gate: bool
     if len(frames) >= 2 and (proven := false_norm(frames, run_id)) is not None:
         return proven
     if len(frames) == 2 and (proven := equivocation(frames[0], frames[1], run_id)) is not None:
+        return proven
+    if len(frames) == 2 and (proven := contradicting_finals(frames[0], frames[1], run_id)) is not None:
         return proven
     if len(frames) == 2 and (proven := own_contradiction(frames[0], frames[1], run_id)) is not None:
         return proven

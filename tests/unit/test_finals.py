@@ -17,6 +17,7 @@ from peer.allreduce_wait import WaitMixin
 from peer.quiet import FINISHED_DROP
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
+from protocol.evidence import proves
 from protocol.identity import Identity
 from protocol.messages import digest
 from protocol.messages_swarm import PartsHeld, SliceAveraged
@@ -250,12 +251,17 @@ def test_a_final_is_kept_apart_from_the_report_and_once_per_member():
     rnd = late_member(on_time=False)
     first = landed_without(rnd, LATE)
     deliver(rnd, final(0, first))
-    deliver(rnd, final(0, rnd.digests()))  # a second final from one member is ignored
-    assert rnd.finals == {0: first} and rnd.reports == {}
+    deliver(rnd, final(0, first))  # a resend
+    assert rnd.finals == {0: first} and rnd.reports == {} and not rnd.final_proofs
     rnd.landed = rnd.digests()
     assert rnd.apart() == [0]
     rnd.landed = first
     assert rnd.apart() == []
+    deliver(rnd, final(0, rnd.digests()))  # a second final naming other parts: the first stays, and the
+    assert rnd.finals == {0: first}  # pair proves that member 0 told members different things
+    assert [(j, proves(proof, RUN)[0]) for j, _, proof in rnd.final_proofs] == [(0, KEYS[0].public_key)]
+    rnd.landed = rnd.digests()
+    assert rnd.apart() == []  # a proven liar's final says nothing about us
 
 
 

@@ -1,0 +1,170 @@
+"""Relayed finals (peer.allreduce_send, phase 5 of peer.allreduce_round): a member that finishes
+sends the others its final and, with it, the finals it got from the rest, as they signed them;
+a final that comes after we landed and names other parts is relayed to the others. Two finals
+one key signed for one round that name different parts prove that it told members different
+things about what it landed (protocol.evidence.contradicting_finals): every member that sees
+the pair bans it and hands the proof on. Honest finals, however late, prove nothing."""
+
+import asyncio
+import dataclasses
+import random
+
+import torch
+
+from peer.bans import Bans
+from protocol.envelope import seal, verify
+from protocol.evidence import contradicting_finals, proves
+from protocol.identity import Identity
+from protocol.messages_swarm import PartsHeld
+from tests.unit.inprocess_group import RUN, InProcessGroup
+
+A, B, L = 0, 1, 2  # two honest members and a liar
+KEY, OTHER = Identity.from_seed(b"\x31" * 32), Identity.from_seed(b"\x32" * 32)
+
+
+def parts_held(digests, final=True, round_=1, group_id=b"g" * 16, signer=KEY) -> bytes:
+    return seal(PartsHeld(run_id=RUN, fragment=0, round=round_, group_id=group_id, digests=tuple(digests),
+                          final=final), signer)
+
+
+def test_two_finals_of_one_round_naming_different_parts_prove_a_lie_and_nothing_else_does(tmp_path):
+    landed, without = (b"a" * 32, b"b" * 32, b"c" * 32), (b"a" * 32, b"", b"c" * 32)
+    proof = (parts_held(landed), parts_held(without))
+    assert contradicting_finals(*proof, RUN)[0] == KEY.public_key
+    assert proves(proof, RUN)[0] == KEY.public_key
+    assert "two different finals" in proves(proof, RUN)[1]
+    for pair in [(parts_held(landed), parts_held(landed)),  # a resend
+                 (parts_held(landed), parts_held(without, round_=2)),  # two rounds
+                 (parts_held(landed), parts_held(without, group_id=b"h" * 16)),  # two groups
+                 (parts_held(landed, final=False), parts_held(without)),  # a report, then the final
+                 (parts_held(landed), parts_held(without, signer=OTHER))]:  # two members
+        assert contradicting_finals(*pair, b"\x00" * 20) is None
+        assert contradicting_finals(*pair, RUN) is None and proves(pair, RUN) is None
+    bans = Bans(tmp_path / "bans", RUN)
+    assert bans.add(KEY.public_key, "finals", proof)
+    again = Bans(tmp_path / "bans", RUN)
+    again.load()  # the proof is checked again from disk
+    assert again.peer_ids == {KEY.peer_id} and "two different finals" in again.reason(KEY.public_key)
+
+
+def _finals_of_l_differ(g: InProcessGroup, to: int):
+    """A policy: the liar's own final to member ``to`` says it fell back on its own part."""
+    async def policy(src, dst, data, v):
+        m = v.message
+        if src == L and dst == to and isinstance(m, PartsHeld) and m.final and v.peer_id == g.keys[L].peer_id:
+            digests = list(m.digests)
+            digests[L] = b""
+            return [seal(dataclasses.replace(m, digests=tuple(digests)), g.keys[L])]
+        return [data]
+    return policy
+
+
+async def _settled(g: InProcessGroup, members) -> None:
+    """The proofs handed on between members checked (each a side task of its receiver)."""
+    await g.until(lambda: not any(g.averagers[i].audits._checking or g.averagers[i]._side_tasks for i in members))
+
+
+def test_a_liar_that_tells_two_members_different_finals_is_proven_and_banned_by_both():
+    """The liar's final to A says it fell back on its own part, its final to B the truth. A's
+    came after A landed, names other parts than A landed, and A relays it; B holds the pair,
+    bans the liar and hands the proof to A, which bans it too. Before relays each member held
+    one final of the liar's and nothing proved that it lied (each round it could make a member
+    compare states, and never be shut out)."""
+    async def go():
+        g = InProcessGroup(3)
+        g.policy = _finals_of_l_differ(g, A)
+        outs = await g.run([A, B, L])
+        await _settled(g, (A, B))
+        assert torch.equal(outs[A].average, outs[B].average)
+        for i in (A, B):
+            audits = g.averagers[i].audits
+            assert g.keys[L].public_key in audits._convicted
+            [(key, why, proof)] = list(audits.offences)  # what the node bans with and keeps (peer.bans)
+            assert key == g.keys[L].public_key and proves(proof, RUN)[0] == key
+            assert g.keys[A].public_key not in audits._convicted and g.keys[B].public_key not in audits._convicted
+
+    asyncio.run(go())
+
+
+def test_a_liars_final_that_came_before_we_landed_travels_with_our_final_and_proves_the_lie():
+    """The liar sends its finals early (before A and B land), A's naming other parts than B's;
+    its own later finals are swallowed. A holds the liar's final as it lands and sends it to B
+    with its own final, and B, holding the other, proves the lie. A's final report to B carried
+    the liar's signed final."""
+    async def go():
+        g = InProcessGroup(3)
+        carried = []
+
+        async def policy(src, dst, data, v):
+            if src == L and isinstance(v.message, PartsHeld) and v.message.final:
+                return []  # its own finals: only the early ones below
+            if isinstance(v.message, PartsHeld) and v.message.final and v.peer_id != g.keys[src].peer_id:
+                carried.append((src, dst, g.index[v.peer_id]))
+            return [data]
+
+        g.policy = policy
+
+        async def liar():
+            await g.until(lambda: g.round_of(L) is not None and all(g.round_of(L).holds(j) for j in range(3)))
+            digests = list(g.round_of(L).digests())
+            g.inject(L, B, PartsHeld(run_id=RUN, fragment=0, round=1, group_id=g.group.group_id,
+                                     digests=tuple(digests), final=True))
+            digests[L] = b""
+            g.inject(L, A, PartsHeld(run_id=RUN, fragment=0, round=1, group_id=g.group.group_id,
+                                     digests=tuple(digests), final=True))
+
+        outs = await g.run([A, B, L], beside=liar)
+        await _settled(g, (A, B))
+        assert torch.equal(outs[A].average, outs[B].average)
+        assert (A, B, L) in carried or (B, A, L) in carried  # a relayed final of the liar's
+        for i in (A, B):
+            assert g.keys[L].public_key in g.averagers[i].audits._convicted
+
+    asyncio.run(go())
+
+
+def test_honest_finals_relayed_however_late_prove_nobody_and_leave_every_round_alike():
+    """Four honest members over six rounds; every report held back a random while (so members
+    land at different times) and every final, and every relay of one, too (up to 1.5
+    deadlines), so finals come before, during and after the others land and get relayed.
+    Nobody is proven or banned, and every round lands alike."""
+    async def go():
+        g = InProcessGroup(4, deadline_s=0.5)
+        rng = random.Random(7)
+        relays = []
+
+        async def policy(src, dst, data, v):
+            if isinstance(v.message, PartsHeld) and v.message.final:
+                if v.peer_id != g.keys[src].peer_id:
+                    relays.append((src, dst))
+                await asyncio.sleep(rng.uniform(0, 0.75))
+            elif isinstance(v.message, PartsHeld):
+                await asyncio.sleep(rng.uniform(0, 0.3))
+            return [data]
+
+        g.policy = policy
+        for round_ in range(1, 7):
+            g.group = dataclasses.replace(g.group, round=round_, group_id=bytes([round_]) * 16)
+            outs = await g.run(list(range(4)))
+            assert all(torch.equal(outs[0].average, o.average) for o in outs.values())
+        await _settled(g, range(4))
+        assert relays  # relays did happen (finals came after some members had landed)
+        for av in g.averagers:
+            assert not av.audits._convicted and not av.audits.offences
+
+    asyncio.run(go())
+
+
+def test_a_relayed_final_of_someone_outside_the_group_is_not_taken():
+    async def go():
+        g = InProcessGroup(3)
+        outs = await g.run([A, B, L])
+        assert all(o.agreed for o in outs.values())
+        rnd = g.round_of(A)
+        before = dict(rnd.finals)
+        stranger = parts_held(rnd.landed, group_id=g.group.group_id, signer=OTHER)
+        g.deliver(B, A, stranger)  # B hands A a final signed by a key not in the group
+        assert rnd.finals == before and not g.averagers[A].audits._convicted
+        assert verify(stranger).peer_id not in rnd.index
+
+    asyncio.run(go())
