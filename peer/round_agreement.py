@@ -173,14 +173,21 @@ class AgreementMixin:
         So the finals of members that finished cannot outvote members that will land the
         part: a liar that cut us from its own part (our own part then looks late) and says it
         landed without ours moves nobody while a member that got our part is still on its
-        way; and every member judging the part counts the same finished members."""
+        way; and every member judging the part counts the same finished members. The part's
+        reducer never counts as landing without it: it decides when its part comes, so a final
+        saying it fell back on its own part is no one else's view (a liar that held its part
+        back, told one member in a final that it fell back on it, then handed that member the
+        part, made it fall back while the members it forwarded the part to landed it, every
+        round: a review's repro; an honest reducer falls back on its own part only after
+        others' finals did, and those count). Its final landing the part counts (as any
+        member's: a liar's other final about that part cannot outvote it)."""
         without = with_ = 0
         for i in range(self.n):
             if i == self.me or not self._believed(i):
                 continue
             final = self.finals.get(i)
             if final is not None:
-                without += not final[j]
+                without += not final[j] and i != j
                 with_ += final[j] == mine
             elif i != j:
                 report = self.reports.get(i)

@@ -13,7 +13,7 @@ import torch
 from peer.node.faults import make_liar, parse_lies
 from protocol.envelope import seal, verify
 from protocol.evidence import proves
-from protocol.messages_swarm import AuditRequest, PartsHeld, PushSlice
+from protocol.messages_swarm import AuditRequest, PartsHeld, PushSlice, SliceAveraged
 from tests.unit.inprocess_group import RUN, InProcessGroup
 
 A, B, L = 0, 1, 2  # two honest members and a liar
@@ -285,3 +285,49 @@ def test_a_member_that_came_after_every_reducer_finished_marks_none_of_them_quie
         rnd.drop(i, FINISHED_DROP)
     rnd.agree_timed_out = True
     assert QuietMembers().judge(rnd) == []
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_reducer_that_says_to_one_member_alone_it_fell_back_on_its_late_part_splits_nobody(n):
+    """The liar (last member) holds its reduced part back, so every honest member drops it as late;
+    once they all hold its report, it tells member 1 alone in a final that it fell back on its own
+    part and then hands member 1 the part, which member 1 forwards to the others (a review's repro,
+    split in most rounds: member 1 counted the liar's word and fell back, the others, its final
+    not in yet, landed the forwarded part). The reducer's final never counts as landing without
+    its own part: every honest member lands alike, round after round, and one liar signing one
+    final proves nothing."""
+    async def go():
+        g = InProcessGroup(n)
+        liar, honest, held = n - 1, list(range(n - 1)), []
+
+        async def policy(src, dst, data, v):
+            if src == liar and isinstance(v.message, SliceAveraged):
+                if dst == 0:
+                    held.append(data)
+                return []  # its part, held back
+            if src == liar and isinstance(v.message, PartsHeld) and v.message.final:
+                return []  # its own finals: only the one below
+            return [data]
+
+        g.policy = policy
+        for round_ in (1, 2, 3):
+            g.group = dataclasses.replace(g.group, round=round_, group_id=bytes([round_]) * 16)
+            held.clear()
+
+            async def lie():
+                await g.until(lambda: held and all(g.round_of(i) is not None and g.round_of(i).agreeing
+                                                   and liar in g.round_of(i).reports for i in honest))
+                without = list(g.round_of(liar).digests())
+                without[liar] = b""
+                g.inject(liar, 1, PartsHeld(run_id=RUN, fragment=0, round=round_, group_id=g.group.group_id,
+                                            digests=tuple(without), final=True))
+                for frame in held:
+                    g.deliver(liar, 1, frame)
+                g.averagers[1]._stream_ended(g.keys[liar].peer_id, set())
+
+            outs = await g.run(list(range(n)), beside=lie)
+            assert all(outs[i].fallback_parts == outs[0].fallback_parts for i in honest)
+            assert all(torch.equal(outs[0].average, outs[i].average) for i in honest)
+            assert liar not in outs[0].fallback_parts  # the part was landed, as the reports showed it held
+
+    asyncio.run(go())
