@@ -216,6 +216,11 @@ class IntakeMixin:
             log.warning("rejected report reason=%d_parts_for_%d_members peer=%s", len(msg.digests), self.n,
                         self.peer_ids[i])
             return False
+        if (msg.fragment, msg.round) != (self.group.fragment, self.group.round):  # (a final so taken first
+            # would stand, and a second one, of the group's round, would not prove the lie)
+            log.warning("rejected report reason=fragment_%d_round_%d_not_the_groups peer=%s", msg.fragment, msg.round,
+                        self.peer_ids[i])
+            return False
         digests = tuple(bytes(d) for d in msg.digests)
         if msg.final:
             self._take_final(i, digests, bytes(data))

@@ -314,7 +314,7 @@ def test_a_reducer_that_says_to_one_member_alone_it_fell_back_on_its_late_part_s
             g.group = dataclasses.replace(g.group, round=round_, group_id=bytes([round_]) * 16)
             held.clear()
 
-            async def lie():
+            async def lie(round_=round_):
                 await g.until(lambda: held and all(g.round_of(i) is not None and g.round_of(i).agreeing
                                                    and liar in g.round_of(i).reports for i in honest))
                 without = list(g.round_of(liar).digests())

@@ -155,7 +155,10 @@ def test_honest_finals_relayed_however_late_prove_nobody_and_leave_every_round_a
     asyncio.run(go())
 
 
-def test_a_relayed_final_of_someone_outside_the_group_is_not_taken():
+def test_a_relayed_final_of_someone_outside_the_group_or_of_another_round_is_not_taken():
+    """A final signed by a key outside the group, relayed by a member, is not taken; nor is a
+    member's final that names another round than its group's (taken first, it would stand, and
+    its final of the group's round, naming other parts, would prove nothing against it)."""
     async def go():
         g = InProcessGroup(3)
         outs = await g.run([A, B, L])
@@ -166,5 +169,8 @@ def test_a_relayed_final_of_someone_outside_the_group_is_not_taken():
         g.deliver(B, A, stranger)  # B hands A a final signed by a key not in the group
         assert rnd.finals == before and not g.averagers[A].audits._convicted
         assert verify(stranger).peer_id not in rnd.index
+        del rnd.finals[L], rnd.final_frames[L]
+        g.deliver(L, A, parts_held((b"",) * 3, round_=7, group_id=g.group.group_id, signer=g.keys[L]))
+        assert L not in rnd.finals
 
     asyncio.run(go())
