@@ -336,6 +336,7 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
                     rnd.drop(rnd.index[peer_id], item)
             else:
                 rnd.accept(peer_id, item, nbytes, data)
+        self._after_final(rnd, None)  # two finals of one member buffered before we started: proof
         tasks, sent = rnd.tasks, rnd.sent
         try:
             push_deadline = t0 + group.deadline_s
@@ -432,6 +433,10 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         # first and said agreed learns from it that it was wrong (Averager._found_apart)
         self._tell_landed(rnd, [i for i in range(rnd.n) if i != me and rnd.finals.get(i) != rnd.landed
                                 and i not in rnd.gone])
+        for k in sorted(rnd.finals):  # a final naming other parts than we landed: to the whole group
+            if rnd.finals[k] != rnd.landed and k not in rnd.proven:
+                self._relay_final(rnd, k)
+        self._after_final(rnd, None)  # proof found in the round (two finals of one member), if not acted on
         rnd.retire()
         self.audits.after(rnd, fallback, suspect=landing.inconsistent + rnd.unwitnessed())
         if rnd.undelivered:

@@ -81,10 +81,13 @@ class InboundMixin:
         nbytes = HEADER_LEN + len(data)
         rnd = self._active.get(gid)
         if forwarded and isinstance(v.message, PartsHeld):  # a member's final, relayed by another
-            rnd = rnd or self._recent.get(gid)
             if rnd is not None:
                 rnd.accept_relayed_final(peer_id, v, data)
                 self._after_final(rnd, rnd.index.get(v.peer_id))
+            elif (rnd := self._recent.get(gid)) is not None:
+                rnd.accept_relayed_final(peer_id, v, data)
+                self._after_final(rnd, rnd.index.get(v.peer_id))
+                self._check_apart(rnd)
             return None
         if forwarded:  # a part we reported lacking; unasked for outside a round, so not buffered
             if rnd is not None:
@@ -106,8 +109,7 @@ class InboundMixin:
             if v.message.final:
                 self._after_final(rnd, rnd.index.get(peer_id))
             self._forward(rnd, self._side_tasks)
-            if rnd.said_agreed and (apart := [i for i in rnd.apart() if i not in rnd.convicted]):  # (not a proven liar's)
-                self._found_apart(rnd, apart)
+            self._check_apart(rnd)
             if not v.message.final and peer_id in rnd.index:  # and it should know what we landed, again if
                 self._tell_landed(rnd, [rnd.index[peer_id]], again=True)  # it reports (our final may be lost)
         elif gid in self._finished:
@@ -126,12 +128,18 @@ class InboundMixin:
     def _after_final(self, rnd: Any, k: int | None) -> None:
         """After member k's final came (from it, or relayed): act on proof that a member signed
         two different finals (``Round.final_proofs``: banned, the proof handed to the group), and
-        relay k's final to the others if it names other parts than we landed (``_relay_final``)."""
+        relay k's final to the others if it names other parts than we landed (``_relay_final``;
+        the finals that came before we landed are relayed as we land)."""
         proofs, rnd.final_proofs = rnd.final_proofs, []
         for j, why, proof in proofs:
             self.audits.found(rnd, j, why, proof)
         if k is not None and rnd.landed and k in rnd.finals and rnd.finals[k] != rnd.landed and k not in rnd.proven:
             self._relay_final(rnd, k)
+
+    def _check_apart(self, rnd: Any) -> None:
+        """A finished round that said agreed, after a final came (from its member, or relayed)."""
+        if rnd.said_agreed and (apart := [i for i in rnd.apart() if i not in rnd.convicted]):  # (not a proven liar's)
+            self._found_apart(rnd, apart)
 
     def _found_apart(self, rnd: Any, apart: list[int]) -> None:
         """A round we said agreed, and a believed member's final came after it saying it landed

@@ -74,9 +74,10 @@ class SendMixin:
     def _tell_landed(self, rnd: Round, members: list[int], again: bool = False) -> None:
         """Send ``members`` our final report: the parts we landed (``Round.landed``), each once
         (``again``: also to one told already, in answer to its report: one frame per report),
-        and with it the finals we got from the others, as they signed them (relayed): a member
-        that told two members different things about what it landed is proven by the pair
-        (``protocol.evidence.contradicting_finals``), which only a relay brings together."""
+        and with it the finals we got from the others, as they signed them (relayed, each once
+        to each member): a member that told two members different things about what it landed
+        is proven by the pair (``protocol.evidence.contradicting_finals``), which only a relay
+        brings together."""
         members = [i for i in members if (again or i not in rnd.told) and i != rnd.me]
         if not rnd.landed or not members:
             return
@@ -87,18 +88,29 @@ class SendMixin:
         deadline = asyncio.get_running_loop().time() + g.deadline_s
         for i in members:
             rnd.told.add(i)
-            self._side_send(rnd, i, [ours, *([f] for k, f in sorted(rnd.final_frames.items()) if k != i)], deadline)
+            self._side_send(rnd, i, [ours, *([f] for f in self._relays(rnd, i, sorted(rnd.final_frames)))], deadline)
+
+    @staticmethod
+    def _relays(rnd: Round, i: int, whose: list[int]) -> list[bytes]:
+        """The finals of members ``whose`` that member i has not had from us (nor its own), marked sent."""
+        out = []
+        for k in whose:
+            if k != i and k in rnd.final_frames and (i, k) not in rnd.relayed_to:
+                rnd.relayed_to.add((i, k))
+                out.append(rnd.final_frames[k])
+        return out
 
     def _relay_final(self, rnd: Round, k: int) -> None:
-        """Member k's final came after we landed, naming other parts than we did: relay it, as
-        signed, to the other members (once), which may hold another final of k's."""
+        """Member k's final names other parts than we landed (it came before we landed, or
+        after): relay it, as signed, to the other members (once), which may hold another final
+        of k's."""
         if k in rnd.relayed or k not in rnd.final_frames:
             return
         rnd.relayed.add(k)
         deadline = asyncio.get_running_loop().time() + rnd.group.deadline_s
         for i in range(rnd.n):
-            if i not in (rnd.me, k) and i not in rnd.gone:
-                self._side_send(rnd, i, [[rnd.final_frames[k]]], deadline)
+            if i != rnd.me and i not in rnd.gone and (frames := self._relays(rnd, i, [k])):
+                self._side_send(rnd, i, [[f] for f in frames], deadline)
 
     def _side_send(self, rnd: Round, i: int, frames: list[list[Any]], deadline: float) -> None:
         task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))

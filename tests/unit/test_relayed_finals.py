@@ -124,10 +124,12 @@ def test_a_liars_final_that_came_before_we_landed_travels_with_our_final_and_pro
 
 
 def test_honest_finals_relayed_however_late_prove_nobody_and_leave_every_round_alike():
-    """Four honest members over six rounds; every report held back a random while (so members
-    land at different times) and every final, and every relay of one, too (up to 1.5
-    deadlines), so finals come before, during and after the others land and get relayed.
-    Nobody is proven or banned, and every round lands alike."""
+    """Four honest members over six rounds; the reports to members 2 and 3 held back (so they
+    land after 0 and 1, and 2 before 3, holding 0's and 1's finals), and every other final,
+    and every relay of one, held back a random while (up to 1.5 deadlines), so finals come
+    before, during and after the others land and get relayed.
+    Nobody is proven or banned. (A round may land apart when members finish with different
+    views; then none of them goes on believing it agreed.)"""
     async def go():
         g = InProcessGroup(4, deadline_s=0.5)
         rng = random.Random(7)
@@ -137,17 +139,21 @@ def test_honest_finals_relayed_however_late_prove_nobody_and_leave_every_round_a
             if isinstance(v.message, PartsHeld) and v.message.final:
                 if v.peer_id != g.keys[src].peer_id:
                     relays.append((src, dst))
+                elif dst == 2 and src in (0, 1):
+                    return [data]
                 await asyncio.sleep(rng.uniform(0, 0.75))
-            elif isinstance(v.message, PartsHeld):
-                await asyncio.sleep(rng.uniform(0, 0.3))
+            elif isinstance(v.message, PartsHeld) and dst in (2, 3):  # on its way a while (its sender goes on)
+                asyncio.get_running_loop().call_later(0.15 if dst == 2 else 0.45, g.deliver, src, dst, data)
+                return []
             return [data]
 
         g.policy = policy
         for round_ in range(1, 7):
             g.group = dataclasses.replace(g.group, round=round_, group_id=bytes([round_]) * 16)
             outs = await g.run(list(range(4)))
-            assert all(torch.equal(outs[0].average, o.average) for o in outs.values())
-        await _settled(g, range(4))
+            await _settled(g, range(4))
+            if not all(torch.equal(outs[0].average, o.average) for o in outs.values()):
+                assert all(not o.agreed or any(a[1] == round_ for a in g.averagers[i].apart) for i, o in outs.items())
         assert relays  # relays did happen (finals came after some members had landed)
         for av in g.averagers:
             assert not av.audits._convicted and not av.audits.offences
@@ -172,5 +178,65 @@ def test_a_relayed_final_of_someone_outside_the_group_or_of_another_round_is_not
         del rnd.finals[L], rnd.final_frames[L]
         g.deliver(L, A, parts_held((b"",) * 3, round_=7, group_id=g.group.group_id, signer=g.keys[L]))
         assert L not in rnd.finals
+
+    asyncio.run(go())
+
+
+def _final(g: InProcessGroup, digests) -> PartsHeld:
+    return PartsHeld(run_id=RUN, fragment=0, round=g.group.round, group_id=g.group.group_id,
+                     digests=tuple(digests), final=True)
+
+
+def test_a_relayed_final_naming_other_parts_makes_a_member_that_said_agreed_compare_states():
+    """After a round all said agreed, the liar tells B alone it fell back on its own part; B
+    relays that final to A, which, like B, no longer takes the round for agreed (before, only a
+    final sent to A by its signer did: a helper's repro)."""
+    async def go():
+        g = InProcessGroup(3)
+
+        async def policy(src, dst, data, v):
+            return [] if src == L and isinstance(v.message, PartsHeld) and v.message.final else [data]
+
+        g.policy = policy
+        outs = await g.run([A, B, L])
+        assert outs[A].agreed and outs[B].agreed
+        digests = list(g.round_of(L).landed)
+        digests[L] = b""
+        g.inject(L, B, _final(g, digests))
+        await _settled(g, (A, B))
+        for i in (A, B):
+            assert not g.round_of(i).said_agreed and len(g.averagers[i].apart) == 1
+
+    asyncio.run(go())
+
+
+def test_two_finals_buffered_before_the_round_started_prove_the_lie_and_each_relayed_final_goes_once():
+    """The liar's two different finals reach B before B starts the round (buffered, then taken
+    as the round starts): B bans the liar and hands the proof to A although no other final
+    reaches B (before, the proof waited for one: a helper's repro). And the liar's reports sent
+    again and again after the round get A's own final each time, the finals A holds once (they
+    went with every answer: n - 1 frames a report)."""
+    async def go():
+        g = InProcessGroup(3)
+        g.inject(L, B, _final(g, (b"x" * 32, b"", b"")))
+        g.inject(L, B, _final(g, (b"", b"y" * 32, b"")))
+
+        async def policy(src, dst, data, v):
+            final = isinstance(v.message, PartsHeld) and v.message.final
+            return [] if final and (dst == B or src == L) else [data]
+
+        g.policy = policy
+        await g.run([A, B, L])
+        await _settled(g, (A, B))
+        for i in (A, B):
+            assert g.keys[L].public_key in g.averagers[i].audits._convicted
+        g.policy = None
+        report = g.round_of(A).report_frames[L]
+        before = len(g.sent)
+        for _ in range(10):
+            g.deliver(L, A, report)
+        await _settled(g, (A,))
+        answers = [(s, d, m) for s, d, m in g.sent[before:] if s == A and d == L]
+        assert len(answers) <= 10 + 1  # our final each time, B's final (all we hold but the liar's own) once
 
     asyncio.run(go())
