@@ -35,6 +35,9 @@ honest nodes beside it and check what they land. Nothing a volunteer runs sets i
   lied to may screen out an honest reducer's mean that the others land; it audits that part
   before landing, lands it, and its audit's pushes prove the lie (THREAT_MODEL.md, "Different
   words to different members"); so does any audit of a part the liar pushed to;
+- ``finals``: its final (``PartsHeld`` with ``final``) to one member says it fell back on every
+  part, and the others get the true one: two finals it signed for one round that contradict
+  each other, which the members' relays bring together (``protocol.evidence.contradicting_finals``);
 - ``nolead``: with ``ghost``, writes no record of a group it leads (ranked first in its batch):
   its followers find none by their deadline and go on without it
   (``peer.matchmaking.Matchmaker._without_leader``).
@@ -62,9 +65,10 @@ import torch
 from peer.allreduce import AGREE_GRACE, RESULT_GRACE
 from protocol.codecs import get_codec
 from protocol.envelope import seal, verify
+from protocol.messages_swarm import PartsHeld
 
 LIES = frozenset({"push1000", "push1e30", "aim", "pushneg", "mean1000", "negate", "equivocate", "withhold", "replay", "short", "mute",
-                  "disown", "blind", "ghost", "hush", "nolead", "misreport"})
+                  "disown", "blind", "ghost", "hush", "nolead", "misreport", "finals"})
 
 
 def parse_lies(fault: str) -> frozenset[str]:
@@ -118,6 +122,8 @@ def make_liar(averager: Any, lies: frozenset[str]) -> None:
         if drop_on_failure and "replay" in lies:  # a push
             old, pushed[rnd.peer_ids[j]] = pushed.get(rnd.peer_ids[j], []), frames
             frames = old + frames
+        if "finals" in lies and not drop_on_failure and j == (rnd.me + 1) % rnd.n and frames:
+            frames = [_blanked_final(averager, frames[0]), *frames[1:]]
         if ours and j == (rnd.me + 1) % rnd.n:
             if "withhold" in lies:
                 return True
@@ -186,6 +192,14 @@ def make_ghost(matchmaker: Any, averager: Any, lead: bool = True) -> None:
 
     matchmaker.form_group = ghost_form
     averager.audits.answer = lambda peer_id, msg: None
+
+
+def _blanked_final(averager: Any, parts: list) -> list:
+    """``parts`` (a sealed frame), or, if it is our final, one that says we fell back on every part."""
+    v = verify(b"".join(bytes(x) for x in parts))
+    if not (isinstance(v.message, PartsHeld) and v.message.final and v.signer == averager.identity.public_key):
+        return parts
+    return [seal(dataclasses.replace(v.message, digests=(b"",) * len(v.message.digests)), averager.identity)]
 
 
 def _scaled(averager: Any, frame: bytes, factor: float) -> bytes:

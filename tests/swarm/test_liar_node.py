@@ -226,6 +226,25 @@ def test_a_reducer_that_tells_its_witnesses_another_own_slice_than_it_averages_i
     assert all(math.isfinite(demo.summaries[i]["heldout_loss"]) for i in HONEST)
 
 
+def test_a_member_that_tells_members_different_finals_is_proven_by_the_relays_and_banned(tmp_path, demos):
+    """Peer 3 tells the member after it in each group that it fell back on every part, and the
+    others what it landed (``lie:finals``): different words to different members about what it
+    landed. The member lied to relays that final (it names other parts than it landed), and a
+    member holding the other final holds proof (two finals the liar signed for one round): it
+    bans the liar and hands the pair on, so every honest peer bans it, with the frames in its
+    data dir. The honest peers land one result in every group they share."""
+    setup = _setup(tmp_path)
+    demo, seen = run(tmp_path / "attacked", demos, 4, setup, envs={3: {"SWARMSTREAM_FAULT": "lie:finals"}}, rounds=4)
+    logs = [(tmp_path / "attacked" / f"peer{i}.log").read_text() for i in HONEST]
+    liar = peer_id_from_public_key(load_or_create_identity(setup / "peer3.key").public_key)
+    for i, text in zip(HONEST, logs):
+        assert f"banned peer={liar} reason=PartsHeld: two different finals" in text, f"peer {i} did not ban the liar"
+        assert list((tmp_path / "attacked" / f"peer{i}").rglob(f"bans/{liar}.frames")), f"peer {i} kept no evidence"
+    assert not any("banned peer=" in line and liar not in line for text in logs for line in text.splitlines())
+    _agreed(seen, HONEST)
+    assert all(math.isfinite(demo.summaries[i]["heldout_loss"]) for i in HONEST)
+
+
 def test_a_reducer_that_keeps_its_own_slice_from_its_witnesses_has_its_means_audited_and_is_banned(tmp_path, demos):
     """Peer 3 negates its mean and sends its witnesses nothing (``lie:negate+blind``), so none
     can vouch for its own slice and the screen has the room it had before witnesses (in groups

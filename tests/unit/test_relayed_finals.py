@@ -9,9 +9,11 @@ import asyncio
 import dataclasses
 import random
 
+import pytest
 import torch
 
 from peer.bans import Bans
+from peer.node.faults import make_liar, parse_lies
 from protocol.envelope import seal, verify
 from protocol.evidence import contradicting_finals, proves
 from protocol.identity import Identity
@@ -238,5 +240,23 @@ def test_two_finals_buffered_before_the_round_started_prove_the_lie_and_each_rel
         await _settled(g, (A,))
         answers = [(s, d, m) for s, d, m in g.sent[before:] if s == A and d == L]
         assert len(answers) <= 10 + 1  # our final each time, B's final (all we hold but the liar's own) once
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_the_finals_lie_of_the_swarm_tests_is_proven_by_every_honest_member(n):
+    """``SWARMSTREAM_FAULT=lie:finals`` (``peer.node.faults``): the liar's final to the member
+    after it says it fell back on every part, the true one to the others. Every honest member
+    bans it on the pair, and they land alike."""
+    async def go():
+        g = InProcessGroup(n)
+        liar = n - 1
+        make_liar(g.averagers[liar], parse_lies("lie:finals"))
+        outs = await g.run(list(range(n)))
+        await _settled(g, range(n - 1))
+        for i in range(n - 1):
+            assert [k for k, *_ in g.averagers[i].audits.offences] == [g.keys[liar].public_key]
+            assert torch.equal(outs[0].average, outs[i].average)
 
     asyncio.run(go())
