@@ -205,6 +205,18 @@ def test_a_reducer_whose_mean_does_not_follow_from_its_inputs_is_proven_and_bann
           f"refused in the round {len(screened)} time(s)")
 
 
+def _banned_by_every_honest_peer(tmp_path: Path, setup: Path, reason: str) -> list[str]:
+    """Assert that every honest peer of the attacked run banned peer 3, and only it, for a lie
+    whose reason starts with ``reason``, keeping the frames in its data dir. -> their logs."""
+    logs = [(tmp_path / "attacked" / f"peer{i}.log").read_text() for i in HONEST]
+    liar = peer_id_from_public_key(load_or_create_identity(setup / "peer3.key").public_key)
+    for i, text in zip(HONEST, logs):
+        assert f"banned peer={liar} reason={reason}" in text, f"peer {i} did not ban the liar"
+        assert list((tmp_path / "attacked" / f"peer{i}").rglob(f"bans/{liar}.frames")), f"peer {i} kept no evidence"
+    assert not any("banned peer=" in line and liar not in line for text in logs for line in text.splitlines())
+    return logs
+
+
 def test_a_reducer_that_tells_its_witnesses_another_own_slice_than_it_averages_is_proven_and_banned(tmp_path, demos):
     """Peer 3 averages its true own slice, and commits to it in its mean (``SliceAveraged.own``),
     but sends its two witnesses (``protocol.butterfly.witnesses_of``) that slice negated
@@ -215,13 +227,8 @@ def test_a_reducer_that_tells_its_witnesses_another_own_slice_than_it_averages_i
     said; the honest peers land one result in every group they share."""
     setup = _setup(tmp_path)
     demo, seen = run(tmp_path / "attacked", demos, 4, setup, envs={3: {"SWARMSTREAM_FAULT": "lie:disown"}}, rounds=4)
-    logs = [(tmp_path / "attacked" / f"peer{i}.log").read_text() for i in HONEST]
-    liar = peer_id_from_public_key(load_or_create_identity(setup / "peer3.key").public_key)
+    logs = _banned_by_every_honest_peer(tmp_path, setup, "PushSlice: its own slice of part")
     assert any("own slice contradicts its mean" in text for text in logs), "no witness caught the liar"
-    for i, text in zip(HONEST, logs):
-        assert f"banned peer={liar} reason=PushSlice: its own slice of part" in text, f"peer {i} did not ban the liar"
-        assert list((tmp_path / "attacked" / f"peer{i}").rglob(f"bans/{liar}.frames")), f"peer {i} kept no evidence"
-    assert not any("banned peer=" in line and liar not in line for text in logs for line in text.splitlines())
     _agreed(seen, HONEST)
     assert all(math.isfinite(demo.summaries[i]["heldout_loss"]) for i in HONEST)
 
@@ -235,12 +242,7 @@ def test_a_member_that_tells_members_different_finals_is_proven_by_the_relays_an
     data dir. The honest peers land one result in every group they share."""
     setup = _setup(tmp_path)
     demo, seen = run(tmp_path / "attacked", demos, 4, setup, envs={3: {"SWARMSTREAM_FAULT": "lie:finals"}}, rounds=4)
-    logs = [(tmp_path / "attacked" / f"peer{i}.log").read_text() for i in HONEST]
-    liar = peer_id_from_public_key(load_or_create_identity(setup / "peer3.key").public_key)
-    for i, text in zip(HONEST, logs):
-        assert f"banned peer={liar} reason=PartsHeld: two different finals" in text, f"peer {i} did not ban the liar"
-        assert list((tmp_path / "attacked" / f"peer{i}").rglob(f"bans/{liar}.frames")), f"peer {i} kept no evidence"
-    assert not any("banned peer=" in line and liar not in line for text in logs for line in text.splitlines())
+    _banned_by_every_honest_peer(tmp_path, setup, "PartsHeld: two different finals")
     _agreed(seen, HONEST)
     assert all(math.isfinite(demo.summaries[i]["heldout_loss"]) for i in HONEST)
 
