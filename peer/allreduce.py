@@ -123,6 +123,7 @@ from peer.audit import Audits
 from peer.inbox import PendingFrames, StreamEnded, StreamGate, keep_recent
 from peer.quiet import DEADLINE_DROP, FINISHED_DROP, MEANS_DROP, QUIET_PUSH, QuietMembers
 from peer.ratelimit import RateLimiter
+from peer.signed_groups import SignedGroups
 from protocol.butterfly import HEAD_ROOM, chunk_elements
 from protocol.codecs import get_codec
 from protocol.errors import LocalProtocolError
@@ -277,6 +278,9 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         self.quiet = QuietMembers()
         """Peers that let us down in our last round with them (no push, no report or part, a bad
         frame): a short wait, and no slice in the groups we lead (``peer.quiet``)."""
+        self.signed_groups: SignedGroups | None = None
+        """The groups we signed frames in, on disk (``peer.signed_groups``; the node sets it):
+        a group found there after a restart is not averaged in again."""
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -320,6 +324,16 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         gid = bytes(group.group_id)
         if gid in self._active:
             raise LocalProtocolError(f"group {gid.hex()} is already averaging")
+        if self.signed_groups is not None:  # (peer.signed_groups: never two sets of signed frames for one group)
+            if gid in self.signed_groups:
+                log.warning("this group was averaged in before a restart: taking no part in it again (other "
+                            "signed frames for it would read as a lie) group=%s", gid.hex())
+                self._pending.pop(gid)
+                self._finished.append(gid)
+                n = len(group.members)
+                return AllReduceOutcome(vec.clone(), tuple(i for i in range(n) if i != me), tuple(range(n)), 0, 0,
+                                        time.perf_counter() - started, agreed=False)
+            await asyncio.to_thread(self.signed_groups.add, gid)
         excluded = frozenset(i for i, key in enumerate(group.members) if peer_id_from_public_key(key) in self.banned)
         rnd = Round(group, me, vec, get_codec(group.codec), self.clip, excluded, self.banned,
                     chunk=chunk_elements(self.max_frame_bytes), gate=self.direction_gate)

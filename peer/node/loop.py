@@ -38,6 +38,7 @@ from typing import Any
 
 from peer.allreduce import Averager
 from peer.bans import Bans
+from peer.signed_groups import SignedGroups
 from peer.control import ControlServer
 from peer.credit import CreditLedger
 from peer.identity_store import load_or_create_identity
@@ -170,6 +171,7 @@ class Node(VolunteerMixin, PeersMixin, SettleMixin, CatchUpMixin, SyncMixin, Wor
             self.bans = Bans(self.cfg.data_dir / self.signed.run_id_text / "bans", self.run_id, train.sync.clip,
                               train.sync.gate)
             self.bans.load()
+            self.averager.signed_groups = SignedGroups(self.cfg.data_dir / self.signed.run_id_text / "signed_groups")
             self.averager.banned = self.bans.peer_ids  # one set: a ban holds from the next round on
             self.matchmaker.distrusted.ban_all(public_key_from_peer_id(b.peer_id) for b in self.bans.items())
             self.averager.audits.distrust = self.matchmaker.distrusted  # its verdicts come on the network thread
