@@ -325,15 +325,12 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         if gid in self._active:
             raise LocalProtocolError(f"group {gid.hex()} is already averaging")
         if self.signed_groups is not None:  # (peer.signed_groups: never two sets of signed frames for one group)
-            if gid in self.signed_groups:
-                log.warning("this group was averaged in before a restart: taking no part in it again (other "
-                            "signed frames for it would read as a lie) group=%s", gid.hex())
+            if not self.signed_groups.reserve(gid) or not await asyncio.to_thread(self.signed_groups.write, gid):
                 self._pending.pop(gid)
-                self._finished.append(gid)
-                n = len(group.members)
-                return AllReduceOutcome(vec.clone(), tuple(i for i in range(n) if i != me), tuple(range(n)), 0, 0,
-                                        time.perf_counter() - started, agreed=False)
-            await asyncio.to_thread(self.signed_groups.add, gid)
+                self._finished.append(gid)  # its frames are dropped from now on, nothing signed answers them
+                raise LocalProtocolError(f"group {gid.hex()} was averaged in before a restart, or could not be "
+                                         "recorded: taking no part in it (another set of signed frames for it "
+                                         "would read as a lie)")
         excluded = frozenset(i for i, key in enumerate(group.members) if peer_id_from_public_key(key) in self.banned)
         rnd = Round(group, me, vec, get_codec(group.codec), self.clip, excluded, self.banned,
                     chunk=chunk_elements(self.max_frame_bytes), gate=self.direction_gate)
@@ -348,6 +345,8 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
             elif isinstance(item, str):
                 if peer_id in rnd.index:
                     rnd.drop(rnd.index[peer_id], item)
+            elif item.peer_id != peer_id:  # a final another member relayed
+                rnd.accept_relayed_final(peer_id, item, data)
             else:
                 rnd.accept(peer_id, item, nbytes, data)
         self._after_final(rnd, None)  # two finals of one member buffered before we started: proof

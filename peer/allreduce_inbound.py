@@ -88,6 +88,8 @@ class InboundMixin:
                 rnd.accept_relayed_final(peer_id, v, data)
                 self._after_final(rnd, rnd.index.get(v.peer_id))
                 self._check_apart(rnd)
+            elif gid not in self._finished:  # a group we have not started: buffered as the relayer's frame
+                self._pending.add(gid, peer_id, v, nbytes, data, waits=False)
             return None
         if forwarded:  # a part we reported lacking; unasked for outside a round, so not buffered
             if rnd is not None:

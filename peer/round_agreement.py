@@ -177,8 +177,8 @@ class AgreementMixin:
         reducer never counts as landing without it: it decides when its part comes, so a final
         saying it fell back on its own part is no one else's view (a liar that held its part
         back, told one member in a final that it fell back on it, then handed that member the
-        part, made it fall back while the members it forwarded the part to landed it, every
-        round: a review's repro; an honest reducer falls back on its own part only after
+        part, made it fall back while the members it forwarded the part to landed it, in most
+        rounds: a review's repro; an honest reducer falls back on its own part only after
         others' finals did, and those count). Its final landing the part counts (as any
         member's: a liar's other final about that part cannot outvote it)."""
         without = with_ = 0

@@ -7,18 +7,20 @@ peer signs each once; but a peer killed after it sent its mean or its final, and
 with the same key and data dir, may meet the same group again (a group's ID follows from the
 run, fragment, round and members: ``peer.batches.group_id_of``), recompute, and sign other
 frames, which the members that kept the round would take for a lie and ban it for. As a
-validator's slashing-protection record does, the averager writes a group's ID here (flushed to
-disk) before it signs anything for it, and takes no part in a group it finds here: that round
-falls back, as one averaged alone does, and the node compares states after it.
+validator's slashing-protection record does, the averager notes a group's ID here (in memory
+at once, then written to disk and synced) before it signs anything for it, and takes no part in
+a group it finds here, nor in one it could not write down: the round fails, the node averages
+it alone and compares states after it.
 
 One line of hex per group, appended; the file is cut to the newest ``KEEP`` IDs when it grows
 past twice that (a round far in the past is not averaged again). A line that is not a group ID
-(a torn write) is skipped."""
+(a torn write) is skipped; an append after a torn last line starts a line of its own."""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -34,13 +36,17 @@ class SignedGroups:
         self.path, self.keep = Path(path), keep
         self._ids: OrderedDict[bytes, None] = OrderedDict()
         self._lines = 0
+        self._torn = False  # the file does not end with a newline
+        self._lock = threading.Lock()  # writes come from worker threads, several rounds at once
         try:
             text = self.path.read_text(encoding="ascii", errors="replace")
         except FileNotFoundError:
             return
-        except OSError as e:  # (a directory in its place, no permission): the record starts empty
-            log.warning("the record of groups signed in could not be read (%s); starting a new one at %s", e, self.path)
+        except OSError as e:  # (a directory in its place, no permission): writes will fail too, and then no
+            # group is averaged in (``write``)
+            log.error("the record of groups signed in could not be read (%s): %s", e, self.path)
             return
+        self._torn = bool(text) and not text.endswith("\n")
         for line in text.splitlines():
             self._lines += 1
             try:
@@ -59,26 +65,45 @@ class SignedGroups:
     def __len__(self) -> int:
         return len(self._ids)
 
-    def add(self, group_id: bytes) -> None:
-        """Record ``group_id`` on disk (flushed and synced) before anything is signed for it."""
+    def reserve(self, group_id: bytes) -> bool:
+        """Note ``group_id`` in memory (on the event loop, before any await: two calls for one
+        group cannot both pass). -> False if it was noted already (signed in, or under way)."""
         gid = bytes(group_id)
-        if gid in self._ids:
-            return
-        self._ids[gid] = None
-        while len(self._ids) > self.keep:
-            self._ids.popitem(last=False)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if self._lines >= 2 * self.keep:
-                self._rewrite()
-                return
-            with open(self.path, "a", encoding="ascii") as f:
-                f.write(gid.hex() + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            self._lines += 1
-        except OSError as e:  # (a full disk): held in memory, so this process still never signs twice
-            log.warning("could not record group=%s as signed in (%s): a restart may average it again", gid.hex(), e)
+        with self._lock:
+            if gid in self._ids:
+                return False
+            self._ids[gid] = None
+            while len(self._ids) > self.keep:
+                self._ids.popitem(last=False)
+            return True
+
+    def write(self, group_id: bytes) -> bool:
+        """Write a reserved ``group_id`` to disk, flushed and synced (in a worker thread).
+        -> False if it could not be written (then nothing may be signed for it)."""
+        gid = bytes(group_id)
+        with self._lock:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                if self._lines >= 2 * self.keep:
+                    self._rewrite()
+                    return True
+                new = not self.path.exists()
+                with open(self.path, "a", encoding="ascii") as f:
+                    f.write(("\n" if self._torn else "") + gid.hex() + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                self._torn = False
+                self._lines += 1
+                if new:
+                    _sync_dir(self.path.parent)
+                return True
+            except OSError as e:  # (a full disk)
+                log.error("could not record group=%s as signed in (%s): taking no part in it", gid.hex(), e)
+                return False
+
+    def add(self, group_id: bytes) -> bool:
+        """``reserve`` and ``write``. -> False if noted already, or not written."""
+        return self.reserve(group_id) and self.write(group_id)
 
     def _rewrite(self) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -87,4 +112,19 @@ class SignedGroups:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        self._lines = len(self._ids)
+        _sync_dir(self.path.parent)
+        self._lines, self._torn = len(self._ids), False
+
+
+def _sync_dir(directory: Path) -> None:
+    """Make a file's creation or rename in ``directory`` durable (where the OS allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

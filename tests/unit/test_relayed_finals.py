@@ -260,3 +260,27 @@ def test_the_finals_lie_of_the_swarm_tests_is_proven_by_every_honest_member(n):
             assert torch.equal(outs[0].average, outs[i].average)
 
     asyncio.run(go())
+
+
+def test_a_relayed_final_that_comes_before_the_round_started_is_buffered_and_proves_the_lie():
+    """A lands first and relays the liar's final to B, which has not started the round; the liar
+    tells B another final. Both wait in B's buffer and are taken as B starts (the relayed one as
+    the liar's, not as A's): B holds the pair and bans the liar. Before, a relay for a group not
+    started was dropped, and nobody held both finals (a review's finding)."""
+    async def go():
+        g = InProcessGroup(3)
+        landed, without = (b"a" * 32, b"b" * 32, b"c" * 32), (b"a" * 32, b"b" * 32, b"")
+        g.deliver(A, B, parts_held(landed, group_id=g.group.group_id, signer=g.keys[L]))  # A relays it
+        g.deliver(L, B, parts_held(without, group_id=g.group.group_id, signer=g.keys[L]))
+
+        async def policy(src, dst, data, v):
+            return [] if src == L and isinstance(v.message, PartsHeld) and v.message.final else [data]
+
+        g.policy = policy
+        await g.run([A, B, L])
+        await _settled(g, (A, B))
+        assert A not in g.round_of(B).finals or g.round_of(B).finals[A] != landed  # (not taken as A's)
+        for i in (A, B):
+            assert [k for k, *_ in g.averagers[i].audits.offences] == [g.keys[L].public_key]
+
+    asyncio.run(go())
