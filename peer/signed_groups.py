@@ -24,6 +24,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
+from peer.identity_store import _fsync_dir  # (the same durable-rename step as the key file's)
 from protocol.messages import GROUP_ID_BYTES
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class SignedGroups:
                 self._torn = False
                 self._lines += 1
                 if new:
-                    _sync_dir(self.path.parent)
+                    _fsync_dir(self.path.parent)
                 return True
             except OSError as e:  # (a full disk)
                 log.error("could not record group=%s as signed in (%s): taking no part in it", gid.hex(), e)
@@ -112,19 +113,6 @@ class SignedGroups:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        _sync_dir(self.path.parent)
+        _fsync_dir(self.path.parent)
         self._lines, self._torn = len(self._ids), False
 
-
-def _sync_dir(directory: Path) -> None:
-    """Make a file's creation or rename in ``directory`` durable (where the OS allows it)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
