@@ -337,21 +337,21 @@ class Averager(InboundMixin, SendMixin, WaitMixin):
         rnd.stopping = stopping
         rnd.quiet = self.quiet.of(rnd.peer_ids, me)
         rnd.grace_share = self.quiet.share(rnd.peer_ids, me)
-        self._active[gid] = rnd
         kept_waiting = self._pending.waited(gid, [p for i, p in enumerate(rnd.peer_ids) if i != me])
-        for peer_id, item, nbytes, data in self._pending.pop(gid):  # in arrival order
-            if isinstance(item, StreamEnded):
-                rnd.stream_ended(peer_id, item.kind, item.part)
-            elif isinstance(item, str):
-                if peer_id in rnd.index:
-                    rnd.drop(rnd.index[peer_id], item)
-            elif item.peer_id != peer_id:  # a final another member relayed
-                rnd.accept_relayed_final(peer_id, item, data)
-            else:
-                rnd.accept(peer_id, item, nbytes, data)
-        self._after_final(rnd, None)  # two finals of one member buffered before we started: proof
+        self._active[gid] = rnd
         tasks, sent = rnd.tasks, rnd.sent
-        try:
+        try:  # (from here the round leaves _active however it ends)
+            for peer_id, item, nbytes, data in self._pending.pop(gid):  # in arrival order
+                if isinstance(item, StreamEnded):
+                    rnd.stream_ended(peer_id, item.kind, item.part)
+                elif isinstance(item, str):
+                    if peer_id in rnd.index:
+                        rnd.drop(rnd.index[peer_id], item)
+                elif item.peer_id != peer_id:  # a final another member relayed
+                    rnd.accept_relayed_final(peer_id, item, data)
+                else:
+                    rnd.accept(peer_id, item, nbytes, data)
+            self._after_final(rnd, None)  # two finals of one member buffered before we started: proof
             push_deadline = t0 + group.deadline_s
             end_deadline = t0 + (1 + RESULT_GRACE) * group.deadline_s
             rnd.agree_deadline = t0 + (1 + RESULT_GRACE + AGREE_GRACE) * group.deadline_s

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -88,16 +89,19 @@ class SendMixin:
         deadline = asyncio.get_running_loop().time() + g.deadline_s
         for i in members:
             rnd.told.add(i)
-            self._side_send(rnd, i, [ours, *([f] for f in self._relays(rnd, i, sorted(rnd.final_frames)))], deadline)
+            relays = self._relays(rnd, i, sorted(rnd.final_frames))
+            self._side_send(rnd, i, [ours, *([f] for _, f in relays)], deadline, told=True,
+                            relayed=[(i, k) for k, _ in relays])
 
     @staticmethod
-    def _relays(rnd: Round, i: int, whose: list[int]) -> list[bytes]:
-        """The finals of members ``whose`` that member i has not had from us (nor its own), marked sent."""
+    def _relays(rnd: Round, i: int, whose: list[int]) -> list[tuple[int, bytes]]:
+        """(k, frame): the finals of members k in ``whose`` that member i has not had from us (nor
+        its own), marked sent (``_side_send`` unmarks them if the send fails)."""
         out = []
         for k in whose:
             if k != i and k in rnd.final_frames and (i, k) not in rnd.relayed_to:
                 rnd.relayed_to.add((i, k))
-                out.append(rnd.final_frames[k])
+                out.append((k, rnd.final_frames[k]))
         return out
 
     def _relay_final(self, rnd: Round, k: int) -> None:
@@ -109,13 +113,25 @@ class SendMixin:
         rnd.relayed.add(k)
         deadline = asyncio.get_running_loop().time() + rnd.group.deadline_s
         for i in range(rnd.n):
-            if i != rnd.me and i not in rnd.gone and (frames := self._relays(rnd, i, [k])):
-                self._side_send(rnd, i, [[f] for f in frames], deadline)
+            if i != rnd.me and i not in rnd.gone and (relays := self._relays(rnd, i, [k])):
+                self._side_send(rnd, i, [[f] for _, f in relays], deadline, relayed=[(i, k) for k, _ in relays])
 
-    def _side_send(self, rnd: Round, i: int, frames: list[list[Any]], deadline: float) -> None:
+    def _side_send(self, rnd: Round, i: int, frames: list[list[Any]], deadline: float, *, told: bool = False,
+                   relayed: Collection[tuple[int, int]] = ()) -> None:
+        """Send frames to member i beside the round (our final, relayed finals). If they are not all
+        acknowledged, member i is no longer marked as told our final (``told``) nor as having had
+        the finals relayed (``relayed``): the next frame we send it (our final, in answer to its
+        report) carries them again, rather than a lost relay leaving a liar's two finals apart."""
         task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))
         self._side_tasks.add(task)
         task.add_done_callback(self._side_tasks.discard)
+        if told or relayed:
+            def unmark(t: asyncio.Task[bool]) -> None:
+                if t.cancelled() or t.exception() is not None or not t.result():
+                    if told:
+                        rnd.told.discard(i)
+                    rnd.relayed_to.difference_update(relayed)
+            task.add_done_callback(unmark)
 
     async def _send_frames(self, peer_id: str, frames: list[list[Any]]) -> int:
         """Send frames (sealed parts) to ``peer_id`` until each is acknowledged (``peer.outbox``).

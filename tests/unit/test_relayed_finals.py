@@ -284,3 +284,40 @@ def test_a_relayed_final_that_comes_before_the_round_started_is_buffered_and_pro
             assert [k for k, *_ in g.averagers[i].audits.offences] == [g.keys[L].public_key]
 
     asyncio.run(go())
+
+
+def test_a_relay_that_was_not_delivered_goes_again_with_our_next_final_to_that_member():
+    """The liar tells A alone that it fell back on its own part; A's relay of that final to B
+    fails on the way (the connection breaks after A's own final went), and nothing else brings
+    B the liar's two finals (B's relays to A are lost). When B reports to A after the round,
+    A's answer carries the liar's final again, and B holds the pair and bans it. Before, a relay
+    was marked sent before it was acknowledged, and a lost one never went again."""
+    async def go():
+        g = InProcessGroup(3)
+        lie_to_a = _finals_of_l_differ(g, A)
+        broke = []
+
+        async def policy(src, dst, data, v):
+            m = v.message
+            relay_of_l = isinstance(m, PartsHeld) and m.final and v.peer_id == g.keys[L].peer_id and src != L
+            if relay_of_l and src == B:
+                return []  # B's relays of the liar's (true) final to A: lost
+            if relay_of_l and src == A and dst == B and not broke:
+                broke.append(1)
+                raise ConnectionError("stream reset")
+            return await lie_to_a(src, dst, data, v)
+
+        g.policy = policy
+        await g.run([A, B, L])
+        await _settled(g, (A, B))
+        assert broke and g.keys[L].public_key not in g.averagers[B].audits._convicted
+        before = len(g.sent)
+        rnd = g.round_of(B)
+        g.inject(B, A, PartsHeld(run_id=RUN, fragment=0, round=1, group_id=g.group.group_id,
+                                 digests=tuple(rnd.landed), final=False))
+        await _settled(g, (A, B))
+        assert any(s == A and d == B and isinstance(m, PartsHeld) and m.final for s, d, m in g.sent[before:])
+        for i in (A, B):
+            assert [k for k, *_ in g.averagers[i].audits.offences] == [g.keys[L].public_key]
+
+    asyncio.run(go())
