@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.protocol import DHTProtocol
@@ -79,6 +80,42 @@ class NetworkError(Exception):
     """The network could not start or a network call failed; the message says what to do."""
 
 
+STATIC_RELAY_STARTS = 3  # daemon starts with static relays before one with discovery (see Network._start)
+RELAY_PROBE_S = 3.0  # how long a bootstrap peer's TCP port has to answer before it is left out as a relay
+
+
+async def answering(maddrs: Sequence[str], timeout: float = RELAY_PROBE_S) -> list[str]:
+    """The multiaddrs in ``maddrs`` whose TCP address takes a connection within ``timeout`` (at
+    once, in parallel; the connection is closed unused). One that is not TCP over an IP or DNS
+    address cannot be probed this way and is kept."""
+    async def answers(text: str) -> bool:
+        m = re.match(r"^/(?:ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(?:/|$)", text)
+        if m is None:
+            return True
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(m[1], int(m[2])), timeout)
+        except (OSError, asyncio.TimeoutError, ValueError):
+            return False
+        writer.close()
+        return True
+
+    found = await asyncio.gather(*(answers(t) for t in maddrs))
+    return [t for t, ok in zip(maddrs, found) if ok]
+
+
+def _static_relays_p2p() -> type[P2P]:
+    """``P2P`` whose daemon takes its relays from ``trusted_relays`` only (``-relayDiscovery=0``,
+    which hivemind does not expose). libp2p's autorelay then holds reservations on exactly those
+    and waits for no others; with discovery on, it waits for 4 candidates, or 3 minutes: a peer
+    behind a NAT in a run of fewer than 4 relay-capable peers (the common case: one host) was
+    unreachable for its first 3 minutes (188 s against 3 s: ``bench/relay_start.py``)."""
+    class StaticRelaysP2P(P2P):
+        @staticmethod
+        def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
+            return P2P._make_process_args(*args, **kwargs, relayDiscovery=False)
+    return StaticRelaysP2P
+
+
 def circuit_maddr(base: str, relay_id: str) -> Multiaddr:
     """``base/p2p/RELAY/p2p-circuit`` as the daemon decodes it. hivemind's Multiaddr writes the
     /p2p/ part as a CID, which the daemon's connect call rejects; this writes the multihash."""
@@ -103,6 +140,9 @@ class NetworkConfig:
     use_auto_relay: bool = True
     """Reserve a slot on relays (the bootstrap peers, and others found) when libp2p's AutoNAT
     finds us unreachable, so peers can reach us through them."""
+    static_relays: bool = True
+    """Autorelay's relays are the bootstrap peers that answer at start, and no others
+    (``_static_relays_p2p``); False: libp2p's discovery, which waits for 4 candidates or 3 minutes."""
     reachability: str = "auto"
     """``auto``: AutoNAT decides. ``public``: we have a dialable address (bootstrap and relay
     peers say so, and serve as relays at once). ``private``: we are behind a NAT or firewall that
@@ -128,7 +168,7 @@ class Network:
         self.dht: DHTNode | None = None
         self._closed = False
         try:
-            self.call(self._start(), timeout=cfg.startup_timeout_s + 30)
+            self.call(self._start(), timeout=RELAY_PROBE_S + (STATIC_RELAY_STARTS + 1) * cfg.startup_timeout_s + 30)
         except BaseException:
             self.close()
             raise
@@ -140,15 +180,21 @@ class Network:
     async def _start(self) -> None:
         cfg = self.cfg
         try:
-            # hivemind's "identity already taken" check parses key files as RSA and fails on
-            # Ed25519 ones; a second node on the same identity is refused by our own lock instead.
-            self.p2p = await P2P.create(
-                initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
-                announce_maddrs=list(cfg.announce_maddrs) or None, identity_path=cfg.identity_path,
-                use_relay=cfg.use_relay, use_auto_relay=cfg.use_auto_relay,
-                force_reachability=None if cfg.reachability == "auto" else cfg.reachability,
-                startup_timeout=cfg.startup_timeout_s, check_if_identity_free=False,
-                dht_mode="client" if self.client_mode else "server", **cfg.extra)
+            # our relays are the bootstrap peers that answer now: libp2p's autorelay would wait
+            # 3 minutes for one listed that does not (its static relays are all it waits for)
+            relays = await answering(cfg.initial_peers) if cfg.use_relay and cfg.use_auto_relay and cfg.static_relays else []
+            # the daemon counts a bootstrap peer that its autorelay connected to first (a private
+            # peer's autorelay starts at once) as not answering, and exits when it counted none
+            # (3 starts in 20 here): we try again, and start it as before after three such starts
+            for attempt in ([relays] * STATIC_RELAY_STARTS + [[]]) if relays else [[]]:
+                try:
+                    self.p2p = await self._create_p2p(attempt)
+                    break
+                except P2PDaemonError as e:
+                    if not attempt or "failed to connect to bootstrap peers" not in str(e):
+                        raise
+                    log.info("the libp2p daemon found its bootstrap peers connected by its relay client "
+                             "first and counted none: starting it again")
         except P2PDaemonError as e:
             if "bootstrap" in str(e):
                 raise NetworkError(f"none of the bootstrap peers answered ({', '.join(cfg.initial_peers)}); "
@@ -166,6 +212,19 @@ class Network:
             raise
 
     # --- calling into the loop ---------------------------------------------------------
+
+    async def _create_p2p(self, relays: list[str]) -> P2P:
+        """The libp2p daemon, with ``relays`` as its only relays (none: libp2p's discovery).
+        hivemind's "identity already taken" check parses key files as RSA and fails on Ed25519
+        ones; a second node on the same identity is refused by our own lock instead."""
+        cfg = self.cfg
+        return await (_static_relays_p2p() if relays else P2P).create(
+            initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
+            announce_maddrs=list(cfg.announce_maddrs) or None, identity_path=cfg.identity_path,
+            use_relay=cfg.use_relay, use_auto_relay=cfg.use_auto_relay, trusted_relays=relays or None,
+            force_reachability=None if cfg.reachability == "auto" else cfg.reachability,
+            startup_timeout=cfg.startup_timeout_s, check_if_identity_free=False,
+            dht_mode="client" if self.client_mode else "server", **cfg.extra)
 
     def submit(self, coro: Awaitable[T]) -> concurrent.futures.Future[T]:
         if self._closed:
