@@ -193,6 +193,7 @@ class Round(IntakeMixin, AgreementMixin, ScreenMixin, WitnessMixin, ReduceMixin)
         self.final_frames: dict[int, bytes] = {}  # member -> its final as signed (from it, or relayed)
         self.relayed: set[int] = set()  # members whose final we relayed to the whole group
         self.relayed_to: set[tuple[int, int]] = set()  # (to, whose): finals we relayed, each once
+        self.resent: dict[int, int] = {}  # member -> side sends to it that failed and went again
         # (member, what it did, the two finals it signed): found since the averager last looked
         self.final_proofs: list[tuple[int, str, tuple[bytes, bytes]]] = []
         self.report_norms: dict[int, tuple[float, ...]] = {}  # member -> its slices' norms, as it reported them

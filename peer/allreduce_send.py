@@ -17,6 +17,8 @@ from protocol.butterfly import chunk_spans
 from protocol.envelope import seal_parts
 from protocol.messages_swarm import PartsHeld, PushSlice, SliceAveraged
 
+SIDE_RESENDS = 2  # a member's failed side sends (finals, relays) that go again in one round
+
 log = logging.getLogger("peer.allreduce")
 
 
@@ -120,18 +122,24 @@ class SendMixin:
                    relayed: Collection[tuple[int, int]] = ()) -> None:
         """Send frames to member i beside the round (our final, relayed finals). If they are not all
         acknowledged, member i is no longer marked as told our final (``told``) nor as having had
-        the finals relayed (``relayed``): the next frame we send it (our final, in answer to its
-        report) carries them again, rather than a lost relay leaving a liar's two finals apart."""
+        the finals relayed (``relayed``), and they go again at once, with our final, at most
+        ``SIDE_RESENDS`` times a member and round: a lost relay would otherwise keep a liar's two
+        finals apart for good."""
         task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))
         self._side_tasks.add(task)
         task.add_done_callback(self._side_tasks.discard)
         if told or relayed:
-            def unmark(t: asyncio.Task[bool]) -> None:
-                if t.cancelled() or t.exception() is not None or not t.result():
-                    if told:
-                        rnd.told.discard(i)
-                    rnd.relayed_to.difference_update(relayed)
-            task.add_done_callback(unmark)
+            def failed(t: asyncio.Task[bool]) -> None:
+                if t.cancelled() or (t.exception() is None and t.result()) or rnd.resent.get(i, 0) >= SIDE_RESENDS:
+                    return  # delivered, cancelled (we stop), or it had its resends (a member that never
+                    # acknowledges would otherwise get every relay again with each answer to its reports)
+                rnd.resent[i] = rnd.resent.get(i, 0) + 1
+                if told:
+                    rnd.told.discard(i)
+                rnd.relayed_to.difference_update(relayed)
+                if self._started and rnd.landed:
+                    self._tell_landed(rnd, [i], again=True)
+            task.add_done_callback(failed)
 
     async def _send_frames(self, peer_id: str, frames: list[list[Any]]) -> int:
         """Send frames (sealed parts) to ``peer_id`` until each is acknowledged (``peer.outbox``).

@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import logging
 import re
+import socket
 import threading
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -84,23 +85,36 @@ STATIC_RELAY_STARTS = 3  # daemon starts with static relays before one with disc
 RELAY_PROBE_S = 3.0  # how long a bootstrap peer's TCP port has to answer before it is left out as a relay
 
 
-async def answering(maddrs: Sequence[str], timeout: float = RELAY_PROBE_S) -> list[str]:
-    """The multiaddrs in ``maddrs`` whose TCP address takes a connection within ``timeout`` (at
-    once, in parallel; the connection is closed unused). One that is not TCP over an IP or DNS
-    address cannot be probed this way and is kept."""
-    async def answers(text: str) -> bool:
-        m = re.match(r"^/(?:ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(?:/|$)", text)
+async def answering(maddrs: Sequence[str], timeout: float = RELAY_PROBE_S, *, own: str = "") -> list[str]:
+    """Our relays among the bootstrap addresses ``maddrs``: those whose TCP address takes a
+    connection within ``timeout`` (probed at once, in parallel; closed unused), the first of each
+    peer ID (autorelay waits for as many relays as it is given addresses, and one peer is one
+    relay), never our own ID ``own``. An address that is not TCP over IP or DNS cannot be probed:
+    it is taken only if no probed one answered."""
+    families = {"ip4": socket.AF_INET, "dns4": socket.AF_INET, "ip6": socket.AF_INET6, "dns6": socket.AF_INET6}
+
+    async def answers(text: str) -> bool | None:
+        m = re.match(r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(?:/|$)", text)
         if m is None:
-            return True
+            return None
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(m[1], int(m[2])), timeout)
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(m[2], int(m[3]), family=families.get(m[1], 0)), timeout)
         except (OSError, asyncio.TimeoutError, ValueError):
             return False
         writer.close()
         return True
 
-    found = await asyncio.gather(*(answers(t) for t in maddrs))
-    return [t for t, ok in zip(maddrs, found) if ok]
+    def peer_of(text: str) -> str:
+        return text.rsplit("/p2p/", 1)[-1] if "/p2p/" in text else text
+
+    candidates = [t for t in maddrs if peer_of(t) != own]
+    found = await asyncio.gather(*(answers(t) for t in candidates))
+    answered = [t for t, ok in zip(candidates, found) if ok]
+    out: dict[str, str] = {}
+    for t in answered or [t for t, ok in zip(candidates, found) if ok is None]:
+        out.setdefault(peer_of(t), t)
+    return list(out.values())
 
 
 def _static_relays_p2p() -> type[P2P]:
@@ -166,6 +180,7 @@ class Network:
         self._thread.start()
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
+        self.relays: list[str] = []  # the bootstrap peers that are our only relays (none: libp2p's discovery)
         self._closed = False
         try:
             self.call(self._start(), timeout=RELAY_PROBE_S + (STATIC_RELAY_STARTS + 1) * cfg.startup_timeout_s + 30)
@@ -182,13 +197,15 @@ class Network:
         try:
             # our relays are the bootstrap peers that answer now: libp2p's autorelay would wait
             # 3 minutes for one listed that does not (its static relays are all it waits for)
-            relays = await answering(cfg.initial_peers) if cfg.use_relay and cfg.use_auto_relay and cfg.static_relays else []
+            relays = await answering(cfg.initial_peers, own=self.identity.peer_id) if (
+                cfg.use_relay and cfg.use_auto_relay and cfg.static_relays and cfg.reachability != "public") else []
             # the daemon counts a bootstrap peer that its autorelay connected to first (a private
             # peer's autorelay starts at once) as not answering, and exits when it counted none
             # (3 starts in 20 here): we try again, and start it as before after three such starts
             for attempt in ([relays] * STATIC_RELAY_STARTS + [[]]) if relays else [[]]:
                 try:
                     self.p2p = await self._create_p2p(attempt)
+                    self.relays = attempt
                     break
                 except P2PDaemonError as e:
                     if not attempt or "failed to connect to bootstrap peers" not in str(e):
@@ -256,10 +273,11 @@ class Network:
         return self.cfg.client_mode or self.cfg.reachability == "private"
 
     def relay_maddrs(self) -> list[str]:
-        """Where a ``private`` peer can be reached: through each bootstrap peer, which holds a
-        relay reservation for us (libp2p's autorelay makes it; these circuit addresses are not
-        in ``visible_maddrs`` when the relays' own addresses are private-range ones)."""
-        return [f"{b}/p2p-circuit/p2p/{self.peer_id}" for b in self.cfg.initial_peers]
+        """Where a ``private`` peer can be reached: through each of its relays (the bootstrap peers
+        that answered at start, ``answering``; all of them if it runs libp2p's discovery), which
+        hold a relay reservation for us (libp2p's autorelay makes it; these circuit addresses are
+        not in ``visible_maddrs`` when the relays' own addresses are private-range ones)."""
+        return [f"{b}/p2p-circuit/p2p/{self.peer_id}" for b in self.relays or self.cfg.initial_peers]
 
     async def connect_relayed(self, peer_id: str, maddrs: list[str]) -> bool:
         """Open a connection to a peer through the relays in its ``/p2p-circuit`` addresses,

@@ -6,7 +6,7 @@ import asyncio
 from peer.network import _static_relays_p2p, answering
 
 
-def test_answering_keeps_the_addresses_that_take_a_connection_and_those_it_cannot_probe():
+def test_answering_keeps_one_answering_address_a_peer_and_never_our_own():
     async def go():
         server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
@@ -15,15 +15,21 @@ def test_answering_keeps_the_addresses_that_take_a_connection_and_those_it_canno
         closed.close()
         await closed.wait_closed()
         live, dead = f"/ip4/127.0.0.1/tcp/{port}/p2p/X", f"/ip4/127.0.0.1/tcp/{gone}/p2p/Y"
-        quic = "/ip4/127.0.0.1/udp/4001/quic/p2p/Z"  # not TCP: cannot be probed, kept
+        again = f"/dns4/localhost/tcp/{port}/p2p/X"  # a second address of X: X is one relay
+        ours = f"/ip4/127.0.0.1/tcp/{port}/p2p/ME"
+        quic = "/ip4/127.0.0.1/udp/4001/quic/p2p/Z"  # not TCP: cannot be probed
         try:
-            return await answering([dead, live, quic, "/ip4/999.1.1.1/tcp/1/p2p/W"], timeout=2.0), [live, quic]
+            with_tcp = await answering([dead, quic, live, again, ours, "/ip4/999.1.1.1/tcp/1/p2p/W"],
+                                       timeout=2.0, own="ME")
+            only_unprobed = await answering([dead, quic], timeout=2.0)
+            return with_tcp, only_unprobed, [live], [quic]
         finally:
             server.close()
             await server.wait_closed()
 
-    found, expected = asyncio.run(go())
-    assert found == expected
+    with_tcp, only_unprobed, expected_tcp, expected_unprobed = asyncio.run(go())
+    assert with_tcp == expected_tcp  # an unprobed one is a relay only if no probed one answered
+    assert only_unprobed == expected_unprobed
 
 
 def test_the_static_relays_daemon_turns_relay_discovery_off():

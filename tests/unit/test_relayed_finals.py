@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from peer.allreduce_send import SIDE_RESENDS
 from peer.bans import Bans
 from peer.node.faults import make_liar, parse_lies
 from protocol.envelope import seal, verify
@@ -286,12 +287,12 @@ def test_a_relayed_final_that_comes_before_the_round_started_is_buffered_and_pro
     asyncio.run(go())
 
 
-def test_a_relay_that_was_not_delivered_goes_again_with_our_next_final_to_that_member():
+def test_a_relay_that_was_not_delivered_goes_again_to_that_member():
     """The liar tells A alone that it fell back on its own part; A's relay of that final to B
     fails on the way (the connection breaks after A's own final went), and nothing else brings
-    B the liar's two finals (B's relays to A are lost). When B reports to A after the round,
-    A's answer carries the liar's final again, and B holds the pair and bans it. Before, a relay
-    was marked sent before it was acknowledged, and a lost one never went again."""
+    B the liar's two finals (B's relays to A are lost). A sends the relay again, and B holds
+    the pair and bans the liar. Before, a relay was marked sent before it was acknowledged, and a
+    lost one never went again."""
     async def go():
         g = InProcessGroup(3)
         lie_to_a = _finals_of_l_differ(g, A)
@@ -310,14 +311,41 @@ def test_a_relay_that_was_not_delivered_goes_again_with_our_next_final_to_that_m
         g.policy = policy
         await g.run([A, B, L])
         await _settled(g, (A, B))
-        assert broke and g.keys[L].public_key not in g.averagers[B].audits._convicted
-        before = len(g.sent)
-        rnd = g.round_of(B)
-        g.inject(B, A, PartsHeld(run_id=RUN, fragment=0, round=1, group_id=g.group.group_id,
-                                 digests=tuple(rnd.landed), final=False))
-        await _settled(g, (A, B))
-        assert any(s == A and d == B and isinstance(m, PartsHeld) and m.final for s, d, m in g.sent[before:])
+        assert broke and g.round_of(A).resent == {B: 1}
         for i in (A, B):
             assert [k for k, *_ in g.averagers[i].audits.offences] == [g.keys[L].public_key]
+
+    asyncio.run(go())
+
+
+def test_a_member_that_never_acknowledges_gets_the_relays_again_twice_at_most():
+    """Every send to the liar that carries a relay fails (it acknowledges no relay) and it
+    reports again and again after the round: a failed side send goes again at most
+    ``SIDE_RESENDS`` times a member and round, so its reports get our final each time and B's
+    relayed final three times at most (with no cap each answer would carry it again)."""
+    async def go():
+        g = InProcessGroup(3)
+        tried = []  # (signer) of each final A tried to send the liar
+
+        async def policy(src, dst, data, v):
+            if dst == L and isinstance(v.message, PartsHeld) and v.message.final:
+                if src == A:
+                    tried.append(g.index[v.peer_id])
+                if v.peer_id != g.keys[src].peer_id:  # a relay (it comes after our own final in a send)
+                    raise ConnectionError("never acknowledged")
+            return [data]
+
+        g.policy = policy
+        await g.run([A, B, L])
+        await _settled(g, (A, B))
+        if B not in g.round_of(A).final_frames:  # (B tells A its final only if A's did not come first)
+            g.inject(B, A, _final(g, g.round_of(B).landed))
+        report = g.round_of(A).report_frames[L]
+        for _ in range(10):
+            g.deliver(L, A, report)
+            await _settled(g, (A,))
+        assert g.round_of(A).resent[L] == SIDE_RESENDS
+        assert 1 <= tried.count(B) <= 1 + SIDE_RESENDS
+        assert 10 <= tried.count(A) <= 1 + 10 + SIDE_RESENDS
 
     asyncio.run(go())
