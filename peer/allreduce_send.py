@@ -122,9 +122,9 @@ class SendMixin:
                    relayed: Collection[tuple[int, int]] = ()) -> None:
         """Send frames to member i beside the round (our final, relayed finals). If they are not all
         acknowledged, member i is no longer marked as told our final (``told``) nor as having had
-        the finals relayed (``relayed``), and they go again at once, with our final, at most
-        ``SIDE_RESENDS`` times a member and round: a lost relay would otherwise keep a liar's two
-        finals apart for good."""
+        the finals relayed (``relayed``), and they go again with our final (after D/2, then D),
+        at most ``SIDE_RESENDS`` times a member and round: a lost relay would otherwise keep a
+        liar's two finals apart for good."""
         task = asyncio.create_task(self._deliver(rnd, i, frames, deadline, rnd.sent, False))
         self._side_tasks.add(task)
         task.add_done_callback(self._side_tasks.discard)
@@ -133,10 +133,15 @@ class SendMixin:
                 if t.cancelled() or (t.exception() is None and t.result()) or rnd.resent.get(i, 0) >= SIDE_RESENDS:
                     return  # delivered, cancelled (we stop), or it had its resends (a member that never
                     # acknowledges would otherwise get every relay again with each answer to its reports)
-                rnd.resent[i] = rnd.resent.get(i, 0) + 1
+                rnd.resent[i] = k = rnd.resent.get(i, 0) + 1
                 if told:
                     rnd.told.discard(i)
                 rnd.relayed_to.difference_update(relayed)
+                # after D/2, then D: a member down for a moment (its stream reset, a reconnect) gets
+                # them; at once, every try could fail within milliseconds and use the resends up
+                asyncio.get_running_loop().call_later(rnd.group.deadline_s * 2 ** (k - 2), resend)
+
+            def resend() -> None:
                 if self._started and rnd.landed:
                     self._tell_landed(rnd, [i], again=True)
             task.add_done_callback(failed)

@@ -85,6 +85,13 @@ STATIC_RELAY_STARTS = 3  # daemon starts with static relays before one with disc
 RELAY_PROBE_S = 3.0  # how long a bootstrap peer's TCP port has to answer before it is left out as a relay
 
 
+def peer_of(maddr: str) -> str:
+    """The peer ID a multiaddr names (its first ``/p2p/`` or ``/ipfs/`` part before any
+    ``/p2p-circuit``), or the text itself when it names none."""
+    m = re.search(r"/(?:p2p|ipfs)/([^/]+)", maddr.split("/p2p-circuit", 1)[0])
+    return m[1] if m else maddr
+
+
 async def answering(maddrs: Sequence[str], timeout: float = RELAY_PROBE_S, *, own: str = "") -> list[str]:
     """Our relays among the bootstrap addresses ``maddrs``: those whose TCP address takes a
     connection within ``timeout`` (probed at once, in parallel; closed unused), the first of each
@@ -94,19 +101,16 @@ async def answering(maddrs: Sequence[str], timeout: float = RELAY_PROBE_S, *, ow
     families = {"ip4": socket.AF_INET, "dns4": socket.AF_INET, "ip6": socket.AF_INET6, "dns6": socket.AF_INET6}
 
     async def answers(text: str) -> bool | None:
-        m = re.match(r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(?:/|$)", text)
+        m = re.match(r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d{1,5})(?:/|$)", text)
         if m is None:
             return None
         try:
             _, writer = await asyncio.wait_for(
                 asyncio.open_connection(m[2], int(m[3]), family=families.get(m[1], 0)), timeout)
-        except (OSError, asyncio.TimeoutError, ValueError):
+        except (OSError, asyncio.TimeoutError, ValueError, OverflowError):
             return False
         writer.close()
         return True
-
-    def peer_of(text: str) -> str:
-        return text.rsplit("/p2p/", 1)[-1] if "/p2p/" in text else text
 
     candidates = [t for t in maddrs if peer_of(t) != own]
     found = await asyncio.gather(*(answers(t) for t in candidates))
@@ -273,11 +277,14 @@ class Network:
         return self.cfg.client_mode or self.cfg.reachability == "private"
 
     def relay_maddrs(self) -> list[str]:
-        """Where a ``private`` peer can be reached: through each of its relays (the bootstrap peers
-        that answered at start, ``answering``; all of them if it runs libp2p's discovery), which
-        hold a relay reservation for us (libp2p's autorelay makes it; these circuit addresses are
-        not in ``visible_maddrs`` when the relays' own addresses are private-range ones)."""
-        return [f"{b}/p2p-circuit/p2p/{self.peer_id}" for b in self.relays or self.cfg.initial_peers]
+        """Where a ``private`` peer can be reached: through each address of each of its relays (the
+        bootstrap peers that answered at start, ``answering``; all of them if it runs libp2p's
+        discovery), which hold a relay reservation for us (libp2p's autorelay makes it; these
+        circuit addresses are not in ``visible_maddrs`` when the relays' own addresses are
+        private-range ones)."""
+        relays = {peer_of(r) for r in self.relays}  # every address we were given of each, as before
+        return [f"{b}/p2p-circuit/p2p/{self.peer_id}" for b in self.cfg.initial_peers
+                if not relays or peer_of(b) in relays]
 
     async def connect_relayed(self, peer_id: str, maddrs: list[str]) -> bool:
         """Open a connection to a peer through the relays in its ``/p2p-circuit`` addresses,

@@ -3,7 +3,7 @@ relays, ``peer.network._static_relays_p2p``)."""
 
 import asyncio
 
-from peer.network import _static_relays_p2p, answering
+from peer.network import _static_relays_p2p, answering, peer_of
 
 
 def test_answering_keeps_one_answering_address_a_peer_and_never_our_own():
@@ -19,8 +19,8 @@ def test_answering_keeps_one_answering_address_a_peer_and_never_our_own():
         ours = f"/ip4/127.0.0.1/tcp/{port}/p2p/ME"
         quic = "/ip4/127.0.0.1/udp/4001/quic/p2p/Z"  # not TCP: cannot be probed
         try:
-            with_tcp = await answering([dead, quic, live, again, ours, "/ip4/999.1.1.1/tcp/1/p2p/W"],
-                                       timeout=2.0, own="ME")
+            with_tcp = await answering([dead, quic, live, again, ours, "/ip4/127.0.0.1/tcp/70000/p2p/V",
+                                        f"/ip4/127.0.0.1/tcp/{port}/ipfs/X/p2p-circuit"], timeout=2.0, own="ME")
             only_unprobed = await answering([dead, quic], timeout=2.0)
             return with_tcp, only_unprobed, [live], [quic]
         finally:
@@ -36,3 +36,11 @@ def test_the_static_relays_daemon_turns_relay_discovery_off():
     args = _static_relays_p2p()._make_process_args("p2pd", autoRelay=True, trustedRelays="/ip4/1.2.3.4/tcp/1/p2p/X")
     assert args[0] == "p2pd" and "-autoRelay=1" in args and "-relayDiscovery=0" in args
     assert "-trustedRelays=/ip4/1.2.3.4/tcp/1/p2p/X" in args
+
+
+def test_peer_of_reads_the_peer_id_before_any_circuit():
+    assert peer_of("/ip4/1.2.3.4/tcp/1/p2p/R") == "R"
+    assert peer_of("/ip4/1.2.3.4/tcp/1/p2p/R/") == "R"
+    assert peer_of("/ip4/1.2.3.4/tcp/1/ipfs/R/p2p-circuit/p2p/T") == "R"
+    assert peer_of("/ip6/::1/tcp/1/p2p/R") == "R"
+    assert peer_of("/ip4/1.2.3.4/tcp/1") == "/ip4/1.2.3.4/tcp/1"

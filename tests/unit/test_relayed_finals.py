@@ -290,7 +290,7 @@ def test_a_relayed_final_that_comes_before_the_round_started_is_buffered_and_pro
 def test_a_relay_that_was_not_delivered_goes_again_to_that_member():
     """The liar tells A alone that it fell back on its own part; A's relay of that final to B
     fails on the way (the connection breaks after A's own final went), and nothing else brings
-    B the liar's two finals (B's relays to A are lost). A sends the relay again, and B holds
+    B the liar's two finals (B's relays to A are lost). A sends the relay again (after D/2), and B holds
     the pair and bans the liar. Before, a relay was marked sent before it was acknowledged, and a
     lost one never went again."""
     async def go():
@@ -312,6 +312,9 @@ def test_a_relay_that_was_not_delivered_goes_again_to_that_member():
         await g.run([A, B, L])
         await _settled(g, (A, B))
         assert broke and g.round_of(A).resent == {B: 1}
+        # the relay goes again after D/2, with A's final: B then holds the pair and hands the proof on
+        await g.until(lambda: all(g.averagers[i].audits.offences for i in (A, B)))
+        await _settled(g, (A, B))
         for i in (A, B):
             assert [k for k, *_ in g.averagers[i].audits.offences] == [g.keys[L].public_key]
 
