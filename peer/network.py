@@ -121,17 +121,16 @@ async def answering(maddrs: Sequence[str], timeout: float = RELAY_PROBE_S, *, ow
     return list(out.values())
 
 
-def _static_relays_p2p() -> type[P2P]:
+class StaticRelaysP2P(P2P):
     """``P2P`` whose daemon takes its relays from ``trusted_relays`` only (``-relayDiscovery=0``,
     which hivemind does not expose). libp2p's autorelay then holds reservations on exactly those
     and waits for no others; with discovery on, it waits for 4 candidates, or 3 minutes: a peer
     behind a NAT in a run of fewer than 4 relay-capable peers (the common case: one host) was
     unreachable for its first 3 minutes (188 s against 3 s: ``bench/relay_start.py``)."""
-    class StaticRelaysP2P(P2P):
-        @staticmethod
-        def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
-            return P2P._make_process_args(*args, **kwargs, relayDiscovery=False)
-    return StaticRelaysP2P
+
+    @staticmethod
+    def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
+        return P2P._make_process_args(*args, **kwargs, relayDiscovery=False)
 
 
 def circuit_maddr(base: str, relay_id: str) -> Multiaddr:
@@ -160,7 +159,7 @@ class NetworkConfig:
     finds us unreachable, so peers can reach us through them."""
     static_relays: bool = True
     """Autorelay's relays are the bootstrap peers that answer at start, and no others
-    (``_static_relays_p2p``); False: libp2p's discovery, which waits for 4 candidates or 3 minutes."""
+    (``StaticRelaysP2P``); False: libp2p's discovery, which waits for 4 candidates or 3 minutes."""
     reachability: str = "auto"
     """``auto``: AutoNAT decides. ``public``: we have a dialable address (bootstrap and relay
     peers say so, and serve as relays at once). ``private``: we are behind a NAT or firewall that
@@ -239,7 +238,7 @@ class Network:
         hivemind's "identity already taken" check parses key files as RSA and fails on Ed25519
         ones; a second node on the same identity is refused by our own lock instead."""
         cfg = self.cfg
-        return await (_static_relays_p2p() if relays else P2P).create(
+        return await (StaticRelaysP2P if relays else P2P).create(
             initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
             announce_maddrs=list(cfg.announce_maddrs) or None, identity_path=cfg.identity_path,
             use_relay=cfg.use_relay, use_auto_relay=cfg.use_auto_relay, trusted_relays=relays or None,

@@ -1,9 +1,9 @@
 """``peer.network.answering``: which bootstrap peers take a TCP connection now (a node's
-relays, ``peer.network._static_relays_p2p``)."""
+relays, ``peer.network.StaticRelaysP2P``)."""
 
 import asyncio
 
-from peer.network import _static_relays_p2p, answering, peer_of
+from peer.network import StaticRelaysP2P, answering, peer_of
 
 
 def test_answering_keeps_one_answering_address_a_peer_and_never_our_own():
@@ -33,7 +33,7 @@ def test_answering_keeps_one_answering_address_a_peer_and_never_our_own():
 
 
 def test_the_static_relays_daemon_turns_relay_discovery_off():
-    args = _static_relays_p2p()._make_process_args("p2pd", autoRelay=True, trustedRelays="/ip4/1.2.3.4/tcp/1/p2p/X")
+    args = StaticRelaysP2P._make_process_args("p2pd", autoRelay=True, trustedRelays="/ip4/1.2.3.4/tcp/1/p2p/X")
     assert args[0] == "p2pd" and "-autoRelay=1" in args and "-relayDiscovery=0" in args
     assert "-trustedRelays=/ip4/1.2.3.4/tcp/1/p2p/X" in args
 
